@@ -1,0 +1,97 @@
+"""loraflow's training flow.
+
+    validate ─┬─> cache_latents ─┐
+              └─> cache_text ────┴─> train ──> sample ──> report.json
+
+CLI:        python -m flows.train [hydra overrides]      (-m for sweeps)
+Deployment: train_flow(config_name="train", overrides=[...]) composes with Hydra's compose API.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
+from tasks import cache_latents, cache_text, sample, train, validate
+from tasks.config import compose, resolve_paths
+from tasks.hashing import key_of
+from tasks.report import NODES, node_entry, publish, write_report
+from tasks.store import Store
+
+log = logging.getLogger("loraflow")
+_KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "train": train.KIND,
+          "sample": sample.KIND}
+
+
+def _run(task, store: Store, **params) -> dict:
+    """Run a node; if Prefect answers from its cache, check our store still holds every item it names
+    (Prefect cannot know), and recompute otherwise. Adds the node's wall time."""
+    start = time.perf_counter()
+    state = task(**params, return_state=True)
+    result = state.result()
+    if state.name == "Cached":
+        kind, keys = _KINDS[task.name], set(result["items"].values())
+        if all(store.valid(kind, k) for k in keys):
+            result = {**result, "computed": 0, "reused": len(keys), "repaired": []}
+        else:
+            log.warning("%s: Prefect's cached result names artifacts the store lacks; recomputing", task.name)
+            result = task.with_options(refresh_cache=True)(**params, return_state=True).result()
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+@flow(name="loraflow", persist_result=False)
+def train_flow(config_name: str = "train", overrides: list[str] | None = None) -> dict:
+    cfg_node, run_dir = compose(config_name, overrides)
+    cfg = resolve_paths(cfg_node)
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(cfg["store"]["root"])
+    previous = (store.read_record(config_name) or {}).get("inputs", {})
+
+    start = time.perf_counter()
+    plan = validate_task(cfg)
+    checked = {"key": "", "computed": len(plan["items"]), "reused": 0, "inputs": validate.inputs(plan),
+               "seconds": time.perf_counter() - start}
+    checked["key"] = key_of(checked["inputs"])
+
+    latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan)
+    texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan)
+    lora = _run(train_task, store, key=train.key_of_node(cfg, plan, latents["items"], texts["items"]), cfg=cfg,
+                plan=plan, latent_keys=latents["items"], text_keys=texts["items"])
+    samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,
+                   plan=plan, lora_key=lora["key"], lora_file=lora["lora"], text_keys=texts["items"])
+
+    results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
+    artifacts = publish(run_dir, lora["lora"], samples["samples"], plan["prompts"])
+    report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
+              "artifacts": {**artifacts, "base_model": plan["model_dir"]},
+              "config_name": config_name, "warnings": plan["warnings"], "loss": lora.get("losses", [])}
+    path = write_report(run_dir, report)
+    store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
+    log.info("LoRA:    %s", artifacts["lora"])
+    log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
+    log.info("report:  %s", path)
+    return {"report": str(path), "run_dir": str(run_dir)}
+
+
+def _hydra_main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+    def main(cfg) -> None:
+        hc = HydraConfig.get()
+        overrides = [*hc.overrides.task, f"hydra.run.dir={hc.runtime.output_dir}"]
+        out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+        print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
+
+    main()
+
+
+if __name__ == "__main__":
+    sys.exit(_hydra_main())

@@ -1,0 +1,56 @@
+"""Node cache_latents: one VAE-encoded latent per image, keyed by image bytes, VAE identity and preprocessing."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tasks.dataset import image_to_tensor, load_image
+from tasks.hashing import key_of
+from tasks.items import check_items, chunks, node_result
+from tasks.models import make_adapter
+from tasks.store import Store
+
+CODE_VERSION = "1"
+KIND = "latents"
+log = logging.getLogger("loraflow")
+
+
+def params(cfg: dict, plan: dict) -> dict:
+    """Everything besides the image bytes that determines a latent."""
+    return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
+            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"]}
+
+
+def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
+    p = params(cfg, plan)
+    return {it["name"]: key_of({**p, "image": it["image_digest"]}) for it in plan["items"]}
+
+
+def inputs(cfg: dict, plan: dict) -> dict:
+    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]}}
+
+
+# Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
+# (CPU kernels are not batch-invariant), so a resumed or partial run yields the same bytes.
+def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
+    keys = item_keys(cfg, plan)
+    status = check_items(store, KIND, keys.values())
+    if status.missing:
+        todo = [it for it in plan["items"] if keys[it["name"]] in set(status.missing)]
+        todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
+        adapter = make_adapter(cfg["model"], plan["model_dir"])
+        vae = adapter.load_vae()
+        w, h = plan["size"]
+        for batch in chunks(todo, batch_size):
+            pixels = torch.stack([image_to_tensor(load_image(it["image"]), w, h) for it in batch])
+            latents = adapter.encode_latents(vae, pixels)
+            for it, z in zip(batch, latents):
+                store.put_tensors(KIND, keys[it["name"]], {"latents": z}, meta={"image": it["name"]})
+        log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
+        del vae
+    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
+
+
+def key_of_node(cfg: dict, plan: dict) -> str:
+    return key_of(inputs(cfg, plan))

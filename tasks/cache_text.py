@@ -1,0 +1,64 @@
+"""Node cache_text: every distinct text (captions, sample prompts and negatives, the empty prompt) encoded once."""
+from __future__ import annotations
+
+import logging
+
+from tasks.hashing import digest_text, key_of
+from tasks.items import check_items, chunks, node_result
+from tasks.models import make_adapter
+from tasks.store import Store
+
+CODE_VERSION = "1"
+KIND = "text"
+log = logging.getLogger("loraflow")
+
+
+def params(cfg: dict, plan: dict) -> dict:
+    return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan["ids"]["text"],
+            "max_sequence_length": cfg["model"]["max_sequence_length"], "dtype": cfg["model"]["dtype"],
+            "family": plan["family"]}
+
+
+def named_texts(plan: dict) -> dict[str, str]:
+    """Every text the run needs, by a readable name (for `changed` in the report)."""
+    texts = {f"caption:{it['name']}": it["caption"] for it in plan["items"]}
+    for p in plan["prompts"]:
+        texts[f"prompt:{p['line']}"] = p["prompt"]
+        if p["negative"]:
+            texts[f"negative:{p['line']}"] = p["negative"]
+    texts["empty"] = ""  # the unconditional prompt (caption dropout, CFG)
+    return texts
+
+
+def text_key(cfg: dict, plan: dict, text: str) -> str:
+    return key_of({**params(cfg, plan), "text": text})
+
+
+def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
+    return {name: text_key(cfg, plan, text) for name, text in named_texts(plan).items()}
+
+
+def inputs(cfg: dict, plan: dict) -> dict:
+    return {**params(cfg, plan), **{n: digest_text(t) for n, t in named_texts(plan).items()}}
+
+
+# Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
+def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
+    texts = named_texts(plan)
+    keys = item_keys(cfg, plan)
+    status = check_items(store, KIND, keys.values())
+    if status.missing:
+        by_key = {keys[n]: t for n, t in texts.items()}
+        adapter = make_adapter(cfg["model"], plan["model_dir"])
+        encoders = adapter.load_text_encoders()
+        for batch in chunks(status.missing, batch_size):
+            encoded = adapter.encode_text(encoders, [by_key[k] for k in batch])
+            for k, tensors in zip(batch, encoded):
+                store.put_tensors(KIND, k, tensors, meta={"text": by_key[k]})
+        log.info("cache_text: encoded %d text(s), reused %d", len(status.missing), len(status.reused))
+        del encoders
+    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
+
+
+def key_of_node(cfg: dict, plan: dict) -> str:
+    return key_of(inputs(cfg, plan))

@@ -1,0 +1,143 @@
+"""Typed config schema (Hydra structured configs) and composition for CLI and deployments.
+
+The schema is registered in Hydra's ConfigStore and named first in ``conf/train.yaml``'s defaults, so
+a misspelt key or a wrong type fails at composition, before any work, with the full key in the message.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_flux"
+    family: str = "flux"
+    # A diffusers folder or hub id. None: build the tiny model from `arch`/`seed` into the store.
+    path: Optional[str] = None
+    seed: int = 0
+    arch: Dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    max_sequence_length: int = 32
+
+
+@dataclass
+class DataConfig:
+    dir: str = MISSING
+    resolution: float = 64
+    resolution_type: str = "pixels"  # pixels | area (megapixels)
+    missing_caption: str = "error"  # error | empty
+    caption_extension: str = ".txt"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    lr: float = 1e-3
+    rank: int = 4
+    alpha: Optional[float] = None  # None: alpha = rank
+    seed: int = 0
+    batch_size: int = 2
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    weighting_scheme: str = "none"  # none | logit_normal | mode | sigma_sqrt | cosmap
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    guidance: float = 1.0  # Flux-dev's distilled guidance value fed while training
+    target_modules: Optional[List[str]] = None  # None: the family adapter's default
+    log_every: int = 10
+
+
+@dataclass
+class SampleConfig:
+    prompts_file: str = MISSING
+    steps: int = 4
+    cfg: float = 3.5  # guidance (kohya --l)
+    true_cfg: float = 2.0  # real classifier-free guidance, used when a prompt has a negative (--n / --g)
+    seed: int = 0
+    width: Optional[int] = None  # None: the training resolution
+    height: Optional[int] = None
+    grid: bool = True
+
+
+@dataclass
+class StoreConfig:
+    root: str = ".loraflow/store"
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="loraflow_schema", node=RootConfig)
+    if not OmegaConf.has_resolver("repo"):
+        OmegaConf.register_new_resolver("repo", lambda: str(REPO))
+    if not OmegaConf.has_resolver("now"):  # Hydra registers it only in its CLI path
+        OmegaConf.register_new_resolver("now", lambda fmt: datetime.now().strftime(fmt))
+
+
+register()
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key and the fix."""
+
+
+def compose(config_name: str = "train", overrides: List[str] | None = None) -> tuple[DictConfig, Path]:
+    """Compose like the CLI does (for deployments, which bypass Hydra's CLI). Returns (cfg, run_dir)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides or [])
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    run_dir = Path(str(cfg.hydra.run.dir))
+    with _unlocked(cfg):
+        del cfg["hydra"]
+    return cfg, run_dir
+
+
+class _unlocked:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict:
+    """Plain dict of the config with relative paths made absolute (against the caller's cwd)."""
+    cwd = Path(cwd or os.getcwd())
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root")):
+        value = plain[section][key]
+        plain[section][key] = str((cwd / os.path.expanduser(value)).resolve())
+    path = plain["model"].get("path")
+    if path and (cwd / os.path.expanduser(path)).exists():
+        plain["model"]["path"] = str((cwd / os.path.expanduser(path)).resolve())
+    return plain

@@ -1,0 +1,111 @@
+"""Flux: CLIP-L pooled + T5 sequence, 16x16 latent patches (VAE /8, packed 2x2), flow matching."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+from tasks.models.base import FamilyAdapter
+
+_TEXT_PARTS = dict(transformer=None, vae=None)
+_SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None)
+
+
+class FluxAdapter(FamilyAdapter):
+    family = "flux"
+    latent_components = ("vae",)
+    text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    denoiser_components = ("transformer",)
+    sample_components = ("transformer", "vae", "scheduler")
+    size_multiple = 16
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", torch_dtype=self.dtype).eval()
+
+    @torch.no_grad()
+    def encode_latents(self, vae, pixels):
+        # The distribution's mode, not a sample: the cached item is then a pure function of its inputs.
+        z = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return FluxPipeline.from_pretrained(self.model_dir, torch_dtype=self.dtype, **_TEXT_PARTS)
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        embeds, pooled, _ = pipe.encode_prompt(texts, prompt_2=None, device="cpu",
+                                               max_sequence_length=self.max_sequence_length)
+        ids = pipe.tokenizer_2(texts, padding="max_length", max_length=self.max_sequence_length,
+                               truncation=True, return_tensors="pt").input_ids
+        mask = (ids != pipe.tokenizer_2.pad_token_id).to(torch.int64)
+        return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "attention_mask": mask[i]}
+                for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", torch_dtype=self.dtype)
+
+    def default_lora_targets(self):
+        # Attention and MLP projections of both block types (as diffusers' Flux LoRA example with --lora_layers).
+        return ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out",
+                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generator):
+        b, c, h, w = latents.shape
+        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
+        u = compute_density_for_timestep_sampling(
+            weighting_scheme=train_cfg["weighting_scheme"], batch_size=b, logit_mean=train_cfg["logit_mean"],
+            logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=generator)
+        indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
+        timesteps = scheduler.timesteps[indices]
+        sigmas = scheduler.sigmas[indices].to(latents.dtype).view(b, 1, 1, 1)
+        noisy = (1.0 - sigmas) * latents + sigmas * noise
+
+        packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        embeds = text["prompt_embeds"].to(latents.dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype)
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=latents.dtype)
+        pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                           pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype),
+                           encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        vae_scale = self.size_multiple // 2
+        pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
+        target = noise - latents  # flow matching: velocity from data to noise
+        weighting = compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas)
+        return (weighting.float() * (pred.float() - target.float()) ** 2).reshape(b, -1).mean()
+
+    def save_lora(self, lora_state_dict, out_dir):
+        FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict, safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    # -- sampling --------------------------------------------------------------------------------
+    def load_sampler(self, lora_file):
+        pipe = FluxPipeline.from_pretrained(self.model_dir, torch_dtype=self.dtype, **_SAMPLE_PARTS)
+        if lora_file is not None:
+            pipe.load_lora_weights(str(lora_file))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @torch.no_grad()
+    def sample(self, pipe, prompt, negative, width, height, steps, guidance, true_cfg, seed):
+        kwargs = {}
+        if negative is not None:
+            kwargs = dict(negative_prompt_embeds=negative["prompt_embeds"][None].to(self.dtype),
+                          negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(self.dtype),
+                          true_cfg_scale=true_cfg)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
+                    pooled_prompt_embeds=prompt["pooled_prompt_embeds"][None].to(self.dtype),
+                    width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
+                    max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil",
+                    **kwargs).images[0]

@@ -1,0 +1,127 @@
+"""Parse kohya-style sample-prompt files.
+
+One prompt per line: the prompt text, then options introduced by " --":
+  --n <negative text>  --w <width>  --h <height>  --s <steps>
+  --l <guidance scale>  --g <true CFG scale>  --d <seed>
+Blank lines and lines starting with '#' are ignored. Pure core: no prefect/hydra.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    line: int
+    prompt: str
+    negative: str = ""
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None  # --l
+    true_cfg: float | None = None  # --g
+    seed: int | None = None  # --d
+
+
+class PromptLineError(ValueError):
+    """A sample-prompt line is malformed; names the line and the offending option."""
+
+    def __init__(self, line: int, reason: str, option: str | None = None):
+        super().__init__(f"line {line}: {reason}")
+        self.line, self.reason, self.option = line, reason, option
+
+
+# option letter -> (SamplePrompt field, kind)
+_OPTIONS = {
+    "n": ("negative", "text"),
+    "w": ("width", "positive int"),
+    "h": ("height", "positive int"),
+    "s": ("steps", "positive int"),
+    "l": ("guidance", "float"),
+    "g": ("true_cfg", "float"),
+    "d": ("seed", "seed"),
+}
+_OPTION_RE = re.compile(r"([A-Za-z]+)(?:\s+(.*))?$", re.S)
+_INT_RE = re.compile(r"[+-]?\d+")
+
+
+def _convert(value: str, kind: str, opt: str, line: int):
+    if kind == "text":
+        return value
+    if not value:
+        raise PromptLineError(line, f"option --{opt} needs a value", opt)
+    if kind in ("positive int", "seed"):
+        # Strict pattern: int() would also accept "1_000".
+        if not _INT_RE.fullmatch(value):
+            raise PromptLineError(line, f"option --{opt} expects an integer, got {value!r}", opt)
+        n = int(value)
+        if kind == "positive int" and n <= 0:
+            raise PromptLineError(line, f"option --{opt} must be a positive integer, got {n}", opt)
+        if kind == "seed" and n < 0:
+            raise PromptLineError(line, f"option --{opt} (seed) must be >= 0, got {n}", opt)
+        return n
+    try:
+        x = float(value)
+    except ValueError:
+        raise PromptLineError(line, f"option --{opt} expects a number, got {value!r}", opt) from None
+    if not math.isfinite(x) or x < 0:
+        raise PromptLineError(line, f"option --{opt} must be a finite number >= 0, got {value!r}", opt)
+    return x
+
+
+def parse_prompt_line(text: str, line: int) -> SamplePrompt | None:
+    """Parse one line; None for blank/comment lines; PromptLineError if malformed."""
+    text = text.strip()
+    if not text or text.startswith("#"):
+        return None
+    # Leading space so a line that starts with "--w 64" yields an empty prompt, not prompt "--w 64".
+    prompt, *parts = (" " + text).split(" --")
+    prompt = prompt.strip()
+    if not prompt:
+        raise PromptLineError(line, "empty prompt text (the prompt must come before the first --option)")
+    fields: dict[str, object] = {}
+    for part in parts:
+        m = _OPTION_RE.match(part.strip())
+        if not m:
+            raise PromptLineError(line, f"malformed option '--{part.strip()}'", part.strip())
+        opt, value = m.group(1).lower(), (m.group(2) or "").strip()
+        if opt not in _OPTIONS:
+            known = ", ".join(f"--{k}" for k in _OPTIONS)
+            raise PromptLineError(line, f"unknown option --{m.group(1)} (known: {known})", opt)
+        name, kind = _OPTIONS[opt]
+        if name in fields:  # a repeated option is almost always a typo; don't guess which wins
+            raise PromptLineError(line, f"option --{opt} given more than once", opt)
+        fields[name] = _convert(value, kind, opt, line)
+    return SamplePrompt(line=line, prompt=prompt, **fields)
+
+
+def read_prompts(path) -> tuple[list[SamplePrompt], list[str]]:
+    """Parse a prompts file; bad lines are skipped and reported as 'path:line: reason'."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"sample.prompts_file={str(path)!r} {what}")
+    # Decode line by line so one bad byte costs one line, not the whole file.
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    prompts: list[SamplePrompt] = []
+    warnings: list[str] = []
+    for n, chunk in enumerate(raw.splitlines(), start=1):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            warnings.append(f"{path}:{n}: not valid UTF-8 (byte {e.start}); line skipped")
+            continue
+        try:
+            p = parse_prompt_line(text, n)
+        except PromptLineError as e:
+            warnings.append(f"{path}:{n}: {e.reason}; line skipped")
+            continue
+        if p is not None:
+            prompts.append(p)
+    return prompts, warnings

@@ -1,0 +1,89 @@
+"""Node sample: one image per sample prompt, rendered with the trained LoRA from cached prompt embeddings."""
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+from PIL import Image
+
+from tasks import cache_text
+from tasks.hashing import key_of
+from tasks.items import check_items, node_result
+from tasks.models import make_adapter
+from tasks.store import Store
+
+CODE_VERSION = "1"
+KIND = "samples"
+log = logging.getLogger("loraflow")
+
+
+def settings(cfg: dict, plan: dict, prompt: dict) -> dict:
+    """A prompt's own kohya options win over the sample.* defaults."""
+    sc = cfg["sample"]
+    return {"width": prompt["width"] or sc["width"] or plan["size"][0],
+            "height": prompt["height"] or sc["height"] or plan["size"][1],
+            "steps": prompt["steps"] or sc["steps"],
+            "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],
+            "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc["true_cfg"],
+            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"]}
+
+
+def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
+    base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"], "lora": lora_key,
+            "dtype": cfg["model"]["dtype"], "family": plan["family"]}
+    return {f"prompt:{p['line']}": key_of({**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
+                                           "negative": text_keys.get(f"negative:{p['line']}")})
+            for p in plan["prompts"]}
+
+
+def inputs(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict:
+    return {"node": "sample", "code": CODE_VERSION, "lora": lora_key, **item_keys(cfg, plan, lora_key, text_keys)}
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40] or "prompt"
+
+
+def make_grid(images: list[Path], out: Path, columns: int = 4) -> Path:
+    tiles = [Image.open(p).convert("RGB") for p in images]
+    w, h = max(t.width for t in tiles), max(t.height for t in tiles)
+    cols = min(columns, len(tiles))
+    grid = Image.new("RGB", (cols * w, ((len(tiles) + cols - 1) // cols) * h), "white")
+    for i, t in enumerate(tiles):
+        grid.paste(t, ((i % cols) * w, (i // cols) * h))
+    grid.save(out)
+    return out
+
+
+def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text_keys: dict) -> dict:
+    keys = item_keys(cfg, plan, lora_key, text_keys)
+    status = check_items(store, KIND, keys.values())
+    if status.missing:
+        adapter = make_adapter(cfg["model"], plan["model_dir"])
+        pipe = adapter.load_sampler(Path(lora_file))
+        todo = set(status.missing)
+        for p in plan["prompts"]:
+            key = keys[f"prompt:{p['line']}"]
+            if key not in todo:
+                continue
+            todo.discard(key)
+            s = settings(cfg, plan, p)
+            prompt = store.get_tensors(cache_text.KIND, text_keys[f"prompt:{p['line']}"])
+            neg_key = text_keys.get(f"negative:{p['line']}")
+            negative = store.get_tensors(cache_text.KIND, neg_key) if neg_key else None
+            image = adapter.sample(pipe, prompt, negative, **s)
+            with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
+                png = Path(tmp) / "sample.png"
+                image.save(png)
+                store.put_file(KIND, key, png, meta={"prompt": p["prompt"], **s})
+        log.info("sample: rendered %d image(s), reused %d", len(status.missing), len(status.reused))
+
+    node_inputs = inputs(cfg, plan, lora_key, text_keys)
+    samples = [str(store.get_path(KIND, keys[f"prompt:{p['line']}"])) for p in plan["prompts"]]
+    return node_result(key_of(node_inputs), keys, status, node_inputs, samples=samples)
+
+
+def key_of_node(cfg: dict, plan: dict, lora_key: str, text_keys: dict) -> str:
+    return key_of(inputs(cfg, plan, lora_key, text_keys))
