@@ -85,6 +85,8 @@ def _hydra_main() -> None:
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
+        for noisy in ("httpx", "httpcore"):  # Hydra's job logging turns on INFO for every library
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         hc = HydraConfig.get()
         overrides = [*hc.overrides.task, f"hydra.run.dir={hc.runtime.output_dir}"]
         out = train_flow(config_name=hc.job.config_name, overrides=overrides)

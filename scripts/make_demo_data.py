@@ -52,10 +52,12 @@ SCENES = [
 ]
 
 PROMPTS = """\
-# loraflow demo sample prompts (kohya syntax: --n negative --w width --h height --s steps --l guidance --d seed)
-a red circle on a blue background --w 64 --h 64 --d 1 --s 4
-a green square on a yellow background --n blurry --w 64 --h 64 --d 2 --s 4
-a blue triangle on a striped background --w 64 --h 64 --d 3 --s 4 --l 3.5
+# loraflow demo sample prompts, kohya syntax: --n negative, --w/--h size, --s steps, --l guidance, --d seed.
+# Options left out take the sample.* defaults (sample.steps, sample.cfg, sample.seed), so those overrides apply.
+# Example with every option: a red circle --n blurry --w 64 --h 64 --s 8 --l 3.5 --d 42
+a red circle on a blue background
+a green square on a yellow background --n blurry
+a blue triangle on a striped background --w 64 --h 64
 """
 
 

@@ -83,5 +83,5 @@ def test_committed_demo_prompts_parse_cleanly():
     prompts, warnings = read_prompts(REPO / "data" / "demo_prompts.txt")
     assert warnings == []
     assert [(p.line, p.width, p.height, p.seed, p.steps) for p in prompts] == [
-        (2, 64, 64, 1, 4), (3, 64, 64, 2, 4), (4, 64, 64, 3, 4)]
-    assert prompts[1].negative == "blurry" and prompts[2].guidance == 3.5
+        (4, None, None, None, None), (5, None, None, None, None), (6, 64, 64, None, None)]
+    assert prompts[1].negative == "blurry" and prompts[0].negative == ""

@@ -23,7 +23,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", torch_dtype=self.dtype).eval()
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
@@ -33,7 +33,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return FluxPipeline.from_pretrained(self.model_dir, torch_dtype=self.dtype, **_TEXT_PARTS)
+        return FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS)
 
     @torch.no_grad()
     def encode_text(self, pipe, texts):
@@ -47,7 +47,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", torch_dtype=self.dtype)
+        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype)
 
     def default_lora_targets(self):
         # Attention and MLP projections of both block types (as diffusers' Flux LoRA example with --lora_layers).
@@ -90,7 +90,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- sampling --------------------------------------------------------------------------------
     def load_sampler(self, lora_file):
-        pipe = FluxPipeline.from_pretrained(self.model_dir, torch_dtype=self.dtype, **_SAMPLE_PARTS)
+        pipe = FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_SAMPLE_PARTS)
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)

@@ -1,0 +1,68 @@
+"""Shared fixtures: one Prefect test API per session, and a baseline run of the demo to copy from."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+_PREFECT_HOME = tempfile.mkdtemp(prefix="loraflow-prefect-")
+os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
+os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", os.path.join(_PREFECT_HOME, "storage"))
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+class Workspace:
+    """A demo dataset, prompts file and store in one folder; runs the flow against them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.data = root / "data"
+        self.prompts = root / "prompts.txt"
+        self.store = root / "store"
+        self.runs = 0
+
+    def overrides(self, extra=()) -> list[str]:
+        self.runs += 1
+        return [f"data.dir={self.data}", f"sample.prompts_file={self.prompts}", f"store.root={self.store}",
+                f"hydra.run.dir={self.root / f'run{self.runs}'}", *FAST, *extra]
+
+    def run(self, *extra: str) -> dict:
+        import json
+
+        from flows.train import train_flow
+
+        out = train_flow(config_name="train", overrides=self.overrides(extra))
+        return json.loads(Path(out["report"]).read_text())
+
+    def copy_to(self, dst: Path) -> "Workspace":
+        shutil.copytree(self.root, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("run[0-9]*"))
+        return Workspace(dst)
+
+
+@pytest.fixture(scope="session")
+def baseline(prefect_api, tmp_path_factory) -> Workspace:
+    """The demo trained once; tests copy it and edit the copy."""
+    ws = Workspace(tmp_path_factory.mktemp("baseline"))
+    shutil.copytree(REPO / "data" / "demo", ws.data)
+    shutil.copyfile(REPO / "data" / "demo_prompts.txt", ws.prompts)
+    ws.first_report = ws.run()
+    return ws
+
+
+@pytest.fixture
+def workspace(baseline, tmp_path) -> Workspace:
+    return baseline.copy_to(tmp_path / "ws")

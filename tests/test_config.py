@@ -1,0 +1,47 @@
+"""Config composition: typed schema, errors that name the key, deployment-style compose."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tasks.config import compose, resolve_paths
+from tasks.validate import check_config, resolve_size
+from tasks.config import ConfigError
+
+
+def test_defaults_compose_with_demo_paths():
+    cfg, run_dir = compose("train", ["hydra.run.dir=/tmp/somewhere"])
+    plain = resolve_paths(cfg)
+    assert plain["data"]["dir"].endswith("data/demo")
+    assert plain["model"]["family"] == "flux" and plain["model"]["name"] == "tiny_flux"
+    assert str(run_dir) == "/tmp/somewhere"
+
+
+def _error_text(overrides):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("train", overrides)
+    return f"{e.value} {e.value.__cause__}"
+
+
+def test_misspelt_key_fails_naming_it():
+    assert "train.lrr" in _error_text(["train.lrr=1e-4"])
+
+
+def test_wrong_type_fails_naming_the_key():
+    assert "train.lr" in _error_text(["train.lr=fast"])
+    assert "train.max_steps" in _error_text(["train.max_steps=1.5"])
+
+
+def test_bad_values_are_listed_with_their_keys():
+    cfg, _ = compose("train", ["train.lr=-1", "data.resolution_type=bogus", "data.missing_caption=skip"])
+    errors = "\n".join(check_config(resolve_paths(cfg)))
+    for key in ("train.lr", "data.resolution_type", "data.missing_caption"):
+        assert key in errors
+
+
+def test_resolution_as_pixels_or_area():
+    assert resolve_size(64, "pixels", 16) == (64, 64)
+    assert resolve_size(1.0, "area", 16) == (1024, 1024)
+    assert resolve_size(0.25, "area", 16) == (512, 512)
+    with pytest.raises(ConfigError, match="data.resolution=70.*64.*80"):
+        resolve_size(70, "pixels", 16)

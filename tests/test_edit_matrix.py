@@ -1,0 +1,134 @@
+"""contract.md's edit matrix: what a re-run after each kind of edit recomputes (report.json counts).
+
+Each test copies the baseline workspace (demo data, prompts, store with the baseline run's record),
+makes one edit, runs the whole flow through Prefect, and checks every node's counts."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from PIL import Image
+
+N_IMAGES, N_PROMPTS = 12, 3
+
+
+def counts(report):
+    n = report["nodes"]
+    return (n["cache_latents"]["computed"], n["cache_text"]["computed"], n["train"]["status"],
+            n["sample"]["computed"])
+
+
+def distinct_texts(ws) -> int:
+    from tasks.prompts import read_prompts
+
+    texts = {p.read_text().strip() for p in ws.data.glob("*.txt")} | {""}
+    for p in read_prompts(ws.prompts)[0]:
+        texts |= {p.prompt, p.negative}
+    return len(texts)
+
+
+def test_baseline_computed_everything(baseline):
+    r = baseline.first_report
+    assert counts(r) == (N_IMAGES, distinct_texts(baseline), "ran", N_PROMPTS)
+    assert set(r["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
+    for entry in r["nodes"].values():
+        assert set(entry) >= {"status", "key", "computed", "reused", "seconds", "changed"}
+        assert entry["reused"] == 0 and entry["changed"] == []
+
+
+def test_nothing_changed_same_store(baseline):
+    # Same store: Prefect's own cache answers with loraflow's keys, and the store is verified.
+    r = baseline.run()
+    assert counts(r) == (0, 0, "cached", 0)
+    assert all(e["status"] == "cached" for n, e in r["nodes"].items() if n != "validate")
+    assert all(e["changed"] == [] for e in r["nodes"].values())
+
+
+def test_nothing_changed_copied_store(workspace):
+    # A copied store has another root, so Prefect's cache misses: loraflow's per-item store answers.
+    r = workspace.run()
+    assert counts(r) == (0, 0, "cached", 0)
+    assert r["nodes"]["cache_latents"]["reused"] == N_IMAGES
+    assert r["nodes"]["sample"]["reused"] == N_PROMPTS
+
+
+def test_one_sample_prompt_edited(workspace):
+    lines = workspace.prompts.read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if "green square" in line)
+    lines[i] = lines[i].replace("green square", "purple square")
+    workspace.prompts.write_text("\n".join(lines) + "\n")
+    r = workspace.run()
+    assert counts(r) == (0, 1, "cached", 1)
+    assert r["nodes"]["sample"]["reused"] == N_PROMPTS - 1
+    assert r["nodes"]["cache_text"]["changed"] == [f"prompt:{i + 1}"]
+    assert r["nodes"]["sample"]["changed"] == [f"prompt:{i + 1}"]
+
+
+@pytest.mark.parametrize("override", ["sample.steps=3", "sample.cfg=2.0", "sample.seed=7"])
+def test_sample_settings_changed(workspace, override):
+    r = workspace.run(override)
+    assert counts(r) == (0, 0, "cached", N_PROMPTS)
+
+
+def test_one_caption_edited(workspace):
+    (workspace.data / "img_03.txt").write_text("a completely new caption\n")
+    r = workspace.run()
+    assert counts(r) == (0, 1, "ran", N_PROMPTS)
+    assert r["nodes"]["cache_text"]["changed"] == ["caption:img_03.png"]
+    assert r["nodes"]["train"]["changed"] == ["item:img_03.png"]
+
+
+def test_one_image_edited(workspace):
+    path = workspace.data / "img_05.png"
+    img = Image.open(path).convert("RGB")
+    img.putpixel((0, 0), (0, 0, 0) if img.getpixel((0, 0)) != (0, 0, 0) else (255, 255, 255))
+    img.save(path)
+    r = workspace.run()
+    assert counts(r) == (1, 0, "ran", N_PROMPTS)
+    assert r["nodes"]["cache_latents"]["changed"] == ["image:img_05.png"]
+
+
+def test_one_image_and_caption_added(workspace):
+    shutil.copyfile(workspace.data / "img_00.png", workspace.data / "img_new.png")
+    Image.open(workspace.data / "img_new.png").transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(
+        workspace.data / "img_new.png")
+    (workspace.data / "img_new.txt").write_text("a mirrored red circle\n")
+    r = workspace.run()
+    assert counts(r) == (1, 1, "ran", N_PROMPTS)
+    assert r["nodes"]["cache_latents"]["reused"] == N_IMAGES
+
+
+def test_one_image_removed(workspace):
+    (workspace.data / "img_07.png").unlink()
+    (workspace.data / "img_07.txt").unlink()
+    r = workspace.run()
+    assert counts(r) == (0, 0, "ran", N_PROMPTS)
+    assert r["nodes"]["cache_latents"]["reused"] == N_IMAGES - 1
+
+
+def test_resolution_changed(workspace):
+    r = workspace.run("data.resolution=48")
+    assert counts(r) == (N_IMAGES, 0, "ran", N_PROMPTS)
+
+
+@pytest.mark.parametrize("override", ["train.lr=5e-3", "train.rank=2", "train.max_steps=10", "train.seed=1"])
+def test_training_hyperparameter_changed(workspace, override):
+    r = workspace.run(override)
+    assert counts(r) == (0, 0, "ran", N_PROMPTS)
+    assert r["nodes"]["train"]["changed"] == [override.split("=")[0]]
+
+
+@pytest.mark.parametrize("module, expected", [
+    ("cache_latents", (N_IMAGES, 0, "ran", N_PROMPTS)),
+    ("cache_text", (0, "all", "ran", N_PROMPTS)),  # "all": every distinct text of the workspace
+    ("train", (0, 0, "ran", N_PROMPTS)),
+    ("sample", (0, 0, "cached", N_PROMPTS)),
+])
+def test_code_version_of_one_node_changed(workspace, monkeypatch, module, expected):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"tasks.{module}"), "CODE_VERSION", "bumped-by-test")
+    r = workspace.run()
+    if expected[1] == "all":
+        expected = (expected[0], distinct_texts(workspace), *expected[2:])
+    assert counts(r) == expected
