@@ -17,12 +17,14 @@ from prefect import flow
 
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, sample, train, validate
-from tasks.config import compose, resolve_paths
+from tasks.config import ConfigError, compose, resolve_paths
+from tasks.dataset import DatasetError
 from tasks.hashing import key_of
 from tasks.report import NODES, node_entry, publish, write_report
 from tasks.store import Store
 
 log = logging.getLogger("loraflow")
+USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError)
 _KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "train": train.KIND,
           "sample": sample.KIND}
 
@@ -89,7 +91,11 @@ def _hydra_main() -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
         hc = HydraConfig.get()
         overrides = [*hc.overrides.task, f"hydra.run.dir={hc.runtime.output_dir}"]
-        out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+        try:
+            out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+        except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
+            print(f"\nloraflow: stopped before training: {e}", file=sys.stderr)
+            sys.exit(2)
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
 
     main()

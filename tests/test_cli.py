@@ -1,0 +1,39 @@
+"""The Hydra CLI as users run it: a subprocess, its own ephemeral Prefect API, report where asked."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(args, cwd, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # the CLI starts its own ephemeral API, as `make run` does
+    return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=600)
+
+
+def test_cli_runs_the_demo_and_writes_the_report(tmp_path):
+    data = tmp_path / "my data"  # a space in the path on purpose
+    shutil.copytree(REPO / "data" / "demo", data)
+    run_dir = tmp_path / "run"
+    proc = _cli([f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}",
+                 "train.max_steps=8", "train.log_every=4", "sample.steps=2"], REPO, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["nodes"]["train"]["status"] == "ran"
+    assert Path(report["artifacts"]["lora"]).is_file()
+    assert str(run_dir) in proc.stdout  # it tells the user where the outputs are
+    assert "loss" in proc.stderr + proc.stdout
+
+
+def test_cli_rejects_a_misspelt_key_before_any_work(tmp_path):
+    proc = _cli([f"store.root={tmp_path / 'store'}", "train.lrr=1e-4"], REPO, tmp_path)
+    assert proc.returncode != 0
+    assert "train.lrr" in proc.stderr
+    assert not (tmp_path / "store").exists()
