@@ -9,8 +9,10 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 
 from tasks.models.base import FamilyAdapter
 
-_TEXT_PARTS = dict(transformer=None, vae=None)
-_SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None)
+# use_safetensors=True: never fall back to pickled .bin weights.
+_SAFE = dict(use_safetensors=True)
+_TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
+_SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, **_SAFE)
 
 
 class FluxAdapter(FamilyAdapter):
@@ -23,7 +25,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype).eval()
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
@@ -47,7 +49,7 @@ class FluxAdapter(FamilyAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype)
+        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
     def default_lora_targets(self):
         # Attention and MLP projections of both block types (as diffusers' Flux LoRA example with --lora_layers).
