@@ -34,7 +34,9 @@ SD3_ARCH: dict = {
     "caption_projection_dim": 32,
     **_VAE_ARCH, **_CLIP_ARCH, "clip_projection_dim": 32, "clip_2_hidden_size": 32, "clip_2_projection_dim": 32,
     # T5EncoderModel (text_encoder_3)
-    "t5_d_model": 32, "t5_d_kv": 8, "t5_d_ff": 37, "t5_layers": 2, "t5_heads": 4, "t5_max_length": 32,
+    # d_model 64 = the two CLIP hidden sizes: SD3 zero-pads CLIP states to the T5 width, as in the real model
+    # (a narrower T5 would truncate text_encoder_2's states away).
+    "t5_d_model": 64, "t5_d_kv": 8, "t5_d_ff": 37, "t5_layers": 2, "t5_heads": 4, "t5_max_length": 32,
 }
 SDXL_ARCH: dict = {
     # UNet2DConditionModel as in diffusers' SDXL fast tests. cross_attention_dim = clip_hidden_size +
@@ -113,9 +115,9 @@ def build_tiny_sd3(out_dir: str | Path, seed: int = 0, arch: dict | None = None)
     CLIPTextModelWithProjection (clip_* shared, clip_hidden_size/clip_projection_dim for the first,
     clip_2_hidden_size/clip_2_projection_dim for the second), T5 (t5_*). Defaults give 64 px images;
     call with `max_sequence_length=a["t5_max_length"]` (32). Note: SD3 pads the concatenated CLIP hidden
-    states (clip_hidden_size + clip_2_hidden_size = 64) to t5_d_model with F.pad; with the default
-    t5_d_model 32 (as in diffusers' fast tests) the pad is negative, i.e. truncates. Use
-    arch={"t5_d_model": 64} (or more) for the real models' zero-padding behaviour.
+    states (clip_hidden_size + clip_2_hidden_size = 64) to t5_d_model with F.pad; the default
+    t5_d_model 64 keeps the real models' behaviour (diffusers' fast tests use 32, where the pad is
+    negative and truncates text_encoder_2's states away).
     """
     a = _resolve(SD3_ARCH, arch)
     tokenizer, tokenizer_2, tokenizer_3 = (_clip_tokenizer(a["clip_num_merges"]), _clip_tokenizer_2(a),
@@ -180,7 +182,8 @@ def build_tiny_sdxl(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     pipe = StableDiffusionXLPipeline(
         vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
         tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler,
-        add_watermarker=False,  # needs the invisible-watermark package and would alter pixels
+        # not saved in model_index.json: from_pretrained re-enables it iff invisible-watermark is installed
+        add_watermarker=False,
     )
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
