@@ -34,7 +34,8 @@ def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -
     base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"], "lora": lora_key,
             "dtype": cfg["model"]["dtype"], "family": plan["family"]}
     return {f"prompt:{p['line']}": key_of({**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
-                                           "negative": text_keys.get(f"negative:{p['line']}")})
+                                           "negative": text_keys.get(f"negative:{p['line']}"),
+                                           "empty": text_keys["empty"]})
             for p in plan["prompts"]}
 
 
@@ -73,7 +74,8 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             prompt = store.get_tensors(cache_text.KIND, text_keys[f"prompt:{p['line']}"])
             neg_key = text_keys.get(f"negative:{p['line']}")
             negative = store.get_tensors(cache_text.KIND, neg_key) if neg_key else None
-            image = adapter.sample(pipe, prompt, negative, **s)
+            empty = store.get_tensors(cache_text.KIND, text_keys["empty"])
+            image = adapter.sample(pipe, prompt, negative, empty, **s)
             with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
                 png = Path(tmp) / "sample.png"
                 image.save(png)

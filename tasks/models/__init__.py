@@ -1,6 +1,7 @@
 """Model families: one adapter module each; this module picks one and finds the model's files."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from tasks.hashing import digest_tree, key_of
@@ -11,13 +12,24 @@ from tasks.store import Store
 TINY_BUILDER_VERSION = "1"
 
 
-def adapter_class(family: str) -> type[FamilyAdapter]:
-    from tasks.models.flux import FluxAdapter
+# family -> (adapter class, tiny builder), as "module:name" so a family's heavy imports load only when used.
+FAMILIES = {
+    "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny:build_tiny_flux"),
+    "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny_families:build_tiny_sd3"),
+    "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny_families:build_tiny_sdxl"),
+    "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),
+}
 
-    adapters = {"flux": FluxAdapter}
-    if family not in adapters:
-        raise ValueError(f"model.family={family!r} is not supported; choose one of {sorted(adapters)}")
-    return adapters[family]
+
+def _load(ref: str):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def adapter_class(family: str) -> type[FamilyAdapter]:
+    if family not in FAMILIES:
+        raise ValueError(f"model.family={family!r} is not supported; choose one of {sorted(FAMILIES)}")
+    return _load(FAMILIES[family][0])
 
 
 def make_adapter(model_cfg: dict, model_dir: Path) -> FamilyAdapter:
@@ -25,10 +37,7 @@ def make_adapter(model_cfg: dict, model_dir: Path) -> FamilyAdapter:
 
 
 def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
-    from tasks.models.tiny import build_tiny_flux
-
-    builders = {"flux": build_tiny_flux}
-    builders[family](out_dir, seed=seed, arch=arch or None)
+    _load(FAMILIES[family][1])(out_dir, seed=seed, arch=arch or None)
 
 
 def resolve_model(model_cfg: dict, store: Store) -> Path:

@@ -64,6 +64,10 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def sample(self, pipe, prompt: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,
-               width: int, height: int, steps: int, guidance: float, true_cfg: float, seed: int) -> Image.Image:
-        """Render one image from cached text tensors. The generator is a CPU generator: a seed gives the
-        same image on any machine."""
+               empty: dict[str, torch.Tensor], width: int, height: int, steps: int, guidance: float,
+               true_cfg: float, seed: int) -> Image.Image:
+        """Render one image from cached text tensors (the text encoders are not loaded).
+
+        `negative` is the prompt's own negative (kohya --n) or None; `empty` is the cached empty prompt,
+        the unconditional input for families whose CFG needs one. The generator is a CPU generator:
+        a seed gives the same image on any machine."""

@@ -99,7 +99,8 @@ class FluxAdapter(FamilyAdapter):
         return pipe
 
     @torch.no_grad()
-    def sample(self, pipe, prompt, negative, width, height, steps, guidance, true_cfg, seed):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+        # Flux-dev's guidance is distilled (`guidance`); real CFG only when the prompt has a negative.
         kwargs = {}
         if negative is not None:
             kwargs = dict(negative_prompt_embeds=negative["prompt_embeds"][None].to(self.dtype),
