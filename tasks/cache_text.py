@@ -19,9 +19,10 @@ def params(cfg: dict, plan: dict) -> dict:
             "family": plan["family"]}
 
 
-def named_texts(plan: dict) -> dict[str, str]:
-    """Every text the run needs, by a readable name (for `changed` in the report)."""
-    texts = {f"caption:{it['name']}": it["caption"] for it in plan["items"]}
+def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
+    """Every text the run caches, by a readable name (for `changed` in the report). Captions only when
+    text.cache is on; otherwise the train node encodes them live."""
+    texts = {f"caption:{it['name']}": it["caption"] for it in plan["items"]} if cfg["text"]["cache"] else {}
     for p in plan["prompts"]:
         texts[f"prompt:{p['line']}"] = p["prompt"]
         if p["negative"]:
@@ -35,16 +36,16 @@ def text_key(cfg: dict, plan: dict, text: str) -> str:
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
-    return {name: text_key(cfg, plan, text) for name, text in named_texts(plan).items()}
+    return {name: text_key(cfg, plan, text) for name, text in named_texts(plan, cfg).items()}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
-    return {**params(cfg, plan), **{n: digest_text(t) for n, t in named_texts(plan).items()}}
+    return {**params(cfg, plan), **{n: digest_text(t) for n, t in named_texts(plan, cfg).items()}}
 
 
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
-    texts = named_texts(plan)
+    texts = named_texts(plan, cfg)
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, keys.values())
     if status.missing:

@@ -74,6 +74,13 @@ class SampleConfig:
 
 
 @dataclass
+class TextConfig:
+    # false: captions are encoded live in the training loop (the encoders stay loaded); sample prompts
+    # and the empty prompt are still cached, so sampling works either way.
+    cache: bool = True
+
+
+@dataclass
 class StoreConfig:
     root: str = ".loraflow/store"
 
@@ -84,6 +91,7 @@ class RootConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
 
 

@@ -26,11 +26,36 @@ log = logging.getLogger("loraflow")
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
-    """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair."""
-    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], text_keys[f"caption:{it['name']}"]])
+    """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
+
+    A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
+    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
-            "dtype": cfg["model"]["dtype"], **{f"train.{k}": v for k, v in cfg["train"].items()}, **pairs}
+            "dtype": cfg["model"]["dtype"], "text.cache": cfg["text"]["cache"],
+            **{f"train.{k}": v for k, v in cfg["train"].items()}, **pairs}
+
+
+def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
+    return text_keys.get(f"caption:{item['name']}") or cache_text.text_key(cfg, plan, item["caption"])
+
+
+class _Captions:
+    """Caption tensors for item i: from the store (text.cache=true), or encoded live one caption at a
+    time (text.cache=false) -- one at a time so both paths give the same bytes, hence the same loss."""
+
+    def __init__(self, cfg, plan, store, adapter, text_keys):
+        self.captions = [it["caption"] for it in plan["items"]]
+        if cfg["text"]["cache"]:
+            self.cached = [store.get_tensors(cache_text.KIND, text_keys[f"caption:{it['name']}"]) for it in plan["items"]]
+        else:
+            self.cached, self.adapter = None, adapter
+            self.encoders = adapter.load_text_encoders()
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.cached is not None:
+            return self.cached[i]
+        return self.adapter.encode_text(self.encoders, [self.captions[i]])[0]
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -58,7 +83,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
     latents = [store.get_tensors(cache_latents.KIND, latent_keys[n])["latents"] for n in names]
-    texts = [store.get_tensors(cache_text.KIND, text_keys[f"caption:{n}"]) for n in names]
+    texts = _Captions(cfg, plan, store, adapter, text_keys)
 
     generator = seed_everything(int(tc["seed"]))
     denoiser = adapter.load_denoiser()
