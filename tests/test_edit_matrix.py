@@ -132,3 +132,11 @@ def test_code_version_of_one_node_changed(workspace, monkeypatch, module, expect
     if expected[1] == "all":
         expected = (expected[0], distinct_texts(workspace), *expected[2:])
     assert counts(r) == expected
+
+
+def test_other_model_weights_recompute_everything(workspace):
+    # model.seed builds a tiny model with other weights: every component's identity (a digest of its
+    # files) changes, so every latent, text and sample is recomputed -- the path of the model is not the key.
+    r = workspace.run("model.seed=1")
+    assert counts(r) == (N_IMAGES, distinct_texts(workspace), "ran", N_PROMPTS)
+    assert "vae" in r["nodes"]["cache_latents"]["changed"] and "encoders" in r["nodes"]["cache_text"]["changed"]
