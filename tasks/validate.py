@@ -5,7 +5,6 @@ downstream runs. Its output, the *plan*, is small JSON: digests and names, never
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 from tasks.config import ConfigError
@@ -13,6 +12,7 @@ from tasks.dataset import validate_dataset
 from tasks.hashing import digest_file, key_of
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
+from tasks.sizes import resolve_size
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -23,19 +23,6 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
-
-
-def resolve_size(resolution: float, resolution_type: str, multiple: int) -> tuple[int, int]:
-    """Training size from pixels (side) or area (megapixels, 1.0 -> 1024x1024), a multiple of `multiple`."""
-    if resolution_type == "area":
-        side = max(multiple, round(math.sqrt(resolution * 1024 * 1024) / multiple) * multiple)
-        return side, side
-    side = int(resolution)
-    if side != resolution or side % multiple:
-        lo, hi = max(multiple, side // multiple * multiple), (side // multiple + 1) * multiple
-        raise ConfigError(f"data.resolution={resolution:g} must be a whole multiple of {multiple} for this model "
-                          f"family; use data.resolution={lo} or data.resolution={hi}")
-    return side, side
 
 
 def check_config(cfg: dict) -> list[str]:
@@ -63,15 +50,15 @@ def run(cfg: dict, store: Store) -> dict:
     prompts, warnings = read_prompts(cfg["sample"]["prompts_file"])
     for w in warnings:
         log.warning("sample prompts: %s", w)
-    plan_prompts = []
+    plan_prompts, multiple = [], adapter_cls.size_multiple
     for p in prompts:
         width, height = p.width, p.height
         for name, value in (("--w", width), ("--h", height)):
             if value and value % adapter_cls.size_multiple:
                 warnings.append(f"{cfg['sample']['prompts_file']}:{p.line}: {name} {value} is not a multiple of "
                                 f"{adapter_cls.size_multiple}; rounded down")
-        width = width and max(adapter_cls.size_multiple, width // adapter_cls.size_multiple * adapter_cls.size_multiple)
-        height = height and max(adapter_cls.size_multiple, height // adapter_cls.size_multiple * adapter_cls.size_multiple)
+        width = width and max(multiple, width // multiple * multiple)
+        height = height and max(multiple, height // multiple * multiple)
         plan_prompts.append({"line": p.line, "prompt": p.prompt, "negative": p.negative, "width": width,
                              "height": height, "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg,
                              "seed": p.seed})

@@ -5,7 +5,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from tasks.config import compose, resolve_paths
-from tasks.validate import check_config, resolve_size
+from tasks.sizes import area_size, resolve_size
+from tasks.validate import check_config
 from tasks.config import ConfigError
 
 
@@ -43,5 +44,9 @@ def test_resolution_as_pixels_or_area():
     assert resolve_size(64, "pixels", 16) == (64, 64)
     assert resolve_size(1.0, "area", 16) == (1024, 1024)
     assert resolve_size(0.25, "area", 16) == (512, 512)
+    assert area_size(1.0, 3 / 2, 16) == (1248, 832)  # 1.0 MP at 3:2, both sides multiples of 16
+    assert area_size(1.0, 2 / 3, 16) == (832, 1248)
+    assert area_size(1.0, 16 / 9, 8) == (1368, 768)
+    assert resolve_size(1.0, "area", 8, aspect=3 / 2) == (1256, 840)  # SDXL/SD1.5 snap to 8
     with pytest.raises(ConfigError, match="data.resolution=70.*64.*80"):
         resolve_size(70, "pixels", 16)
