@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 from tasks.models.base import FamilyAdapter
+from tasks.models.flow_matching import noise_latents, weighted_mse
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -61,14 +61,7 @@ class FluxAdapter(FamilyAdapter):
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generator):
         b, c, h, w = latents.shape
-        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
-        u = compute_density_for_timestep_sampling(
-            weighting_scheme=train_cfg["weighting_scheme"], batch_size=b, logit_mean=train_cfg["logit_mean"],
-            logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=generator)
-        indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
-        timesteps = scheduler.timesteps[indices]
-        sigmas = scheduler.sigmas[indices].to(latents.dtype).view(b, 1, 1, 1)
-        noisy = (1.0 - sigmas) * latents + sigmas * noise
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generator)
 
         packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
@@ -82,9 +75,7 @@ class FluxAdapter(FamilyAdapter):
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         vae_scale = self.size_multiple // 2
         pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
-        target = noise - latents  # flow matching: velocity from data to noise
-        weighting = compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas)
-        return (weighting.float() * (pred.float() - target.float()) ** 2).reshape(b, -1).mean()
+        return weighted_mse(pred, noise - latents, sigmas, train_cfg["weighting_scheme"])  # velocity target
 
     def save_lora(self, lora_state_dict, out_dir):
         FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict, safe_serialization=True)

@@ -1,0 +1,23 @@
+"""Flow-matching pieces shared by Flux and SD3 (diffusers' dreambooth LoRA examples for both)."""
+from __future__ import annotations
+
+import torch
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+
+def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generator: torch.Generator):
+    """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density, all randomness
+    from `generator` so a seed fixes the whole run."""
+    b = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=train_cfg["weighting_scheme"], batch_size=b, logit_mean=train_cfg["logit_mean"],
+        logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=generator)
+    indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
+    sigmas = scheduler.sigmas[indices].to(latents.dtype).view(b, 1, 1, 1)
+    return (1.0 - sigmas) * latents + sigmas * noise, noise, scheduler.timesteps[indices], sigmas
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme, sigmas)
+    return (weighting.float() * (pred.float() - target.float()) ** 2).reshape(pred.shape[0], -1).mean()

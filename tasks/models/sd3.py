@@ -1,0 +1,109 @@
+"""SD3: two CLIP-G/L towers (pooled + penultimate states) and T5, MMDiT on 2x2 latent patches (VAE /8),
+flow matching. Training follows diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+from tasks.models.base import FamilyAdapter
+from tasks.models.flow_matching import noise_latents, weighted_mse
+
+# use_safetensors=True: never fall back to pickled .bin weights.
+_SAFE = dict(use_safetensors=True)
+_TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
+_SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None,
+                     tokenizer=None, tokenizer_2=None, tokenizer_3=None, **_SAFE)
+
+
+class SD3Adapter(FamilyAdapter):
+    family = "sd3"
+    latent_components = ("vae",)
+    text_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
+    denoiser_components = ("transformer",)
+    sample_components = ("transformer", "vae", "scheduler")
+    size_multiple = 16  # VAE /8, then 2x2 patches
+
+    # The SD3 LoRA example's --precondition_outputs (default 1): the loss compares x0 estimates
+    # (x_t - sigma * v against x0) rather than velocities; that is the velocity loss weighted by sigma^2.
+    precondition_outputs = True
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
+
+    @torch.no_grad()
+    def encode_latents(self, vae, pixels):
+        # The mode, not a sample: the cached latent is then a pure function of the image.
+        z = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS)
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        # prompt_embeds = [77 CLIP tokens (both towers' states, zero-padded to T5 width) ; T5 tokens].
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=None, prompt_3=None,
+                                                  do_classifier_free_guidance=False, device="cpu",
+                                                  max_sequence_length=self.max_sequence_length)
+        # SD3's transformer takes no mask; it is stored (T5 part only) for consumers that want it.
+        ids = pipe.tokenizer_3(texts, padding="max_length", max_length=self.max_sequence_length,
+                               truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
+        mask = (ids != pipe.tokenizer_3.pad_token_id).to(torch.int64)
+        return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "attention_mask": mask[i]}
+                for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return SD3Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+
+    def default_lora_targets(self):
+        # The SD3 LoRA example's defaults: the joint attention's image and context projections.
+        # (The last block is context_pre_only and has no to_add_out; PEFT skips names that are absent.)
+        return ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generator):
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generator)
+        # SD3 takes timesteps in [0, 1000], unscaled (Flux divides by 1000).
+        pred = transformer(hidden_states=noisy, timestep=timesteps,
+                           encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),
+                           pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype), return_dict=False)[0]
+        if self.precondition_outputs:
+            pred, target = noisy - sigmas * pred, latents  # x0 estimate vs. x0
+        else:
+            target = noise - latents  # velocity from data to noise
+        return weighted_mse(pred, target, sigmas, train_cfg["weighting_scheme"])
+
+    def save_lora(self, lora_state_dict, out_dir):
+        StableDiffusion3Pipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                                   safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    # -- sampling --------------------------------------------------------------------------------
+    def load_sampler(self, lora_file):
+        pipe = StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_SAMPLE_PARTS)
+        if lora_file is not None:
+            pipe.load_lora_weights(str(lora_file))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @torch.no_grad()
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+        # Real CFG at `guidance` (SD3 has no distilled guidance, so `true_cfg` is unused). The unconditional
+        # input comes from the cache -- the prompt's negative, else the empty prompt -- embeds and pooled
+        # both: with no text encoders loaded the pipeline cannot encode "" itself.
+        uncond = negative if negative is not None else empty
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
+                    pooled_prompt_embeds=prompt["pooled_prompt_embeds"][None].to(self.dtype),
+                    negative_prompt_embeds=uncond["prompt_embeds"][None].to(self.dtype),
+                    negative_pooled_prompt_embeds=uncond["pooled_prompt_embeds"][None].to(self.dtype),
+                    width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
+                    max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil").images[0]
