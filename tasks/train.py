@@ -20,7 +20,7 @@ from tasks.items import check_items, node_result
 from tasks.models import make_adapter
 from tasks.store import Store
 
-CODE_VERSION = "1"
+CODE_VERSION = "2"  # 2: the LoRA file carries its peft config (alpha)
 KIND = "lora"
 log = logging.getLogger("loraflow")
 
@@ -124,7 +124,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             window = []
 
     state = get_peft_model_state_dict(denoiser)
-    return adapter.save_lora(state, out_dir), losses
+    return adapter.save_lora(state, out_dir, denoiser.peft_config["default"].to_dict()), losses
 
 
 def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict) -> dict:

@@ -123,3 +123,14 @@ def test_kohya_prompt_options_reach_the_sampler(workspace):
 def _sample_keys(ws) -> list[str]:
     record = Store(ws.store).read_record("train")
     return [v for k, v in record["inputs"]["sample"].items() if k.startswith("prompt:")]
+
+
+def test_lora_alpha_survives_into_the_loaded_pipeline(workspace):
+    """alpha != rank: the saved file carries the LoRA config, so diffusers applies alpha/rank, not 1."""
+    from diffusers import FluxPipeline
+
+    r = workspace.run("train.rank=4", "train.alpha=16")
+    pipe = FluxPipeline.from_pretrained(r["artifacts"]["base_model"], use_safetensors=True)
+    pipe.load_lora_weights(str(Path(r["artifacts"]["lora"]).parent))
+    config = next(iter(pipe.transformer.peft_config.values()))
+    assert (config.r, config.lora_alpha) == (4, 16)

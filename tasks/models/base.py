@@ -56,8 +56,11 @@ class FamilyAdapter(ABC):
     def load_train_scheduler(self) -> Any: ...
 
     @abstractmethod
-    def save_lora(self, lora_state_dict: dict[str, torch.Tensor], out_dir: Path) -> Path:
-        """Write the LoRA in the format the family's diffusers pipeline loads; returns the file."""
+    def save_lora(self, lora_state_dict: dict[str, torch.Tensor], out_dir: Path, lora_config: dict) -> Path:
+        """Write the LoRA in the format the family's diffusers pipeline loads; returns the file.
+
+        `lora_config` (peft's LoraConfig as a dict) goes into the file's metadata, so a loader applies
+        the trained alpha/rank scale, not its default."""
 
     @abstractmethod
     def load_sampler(self, lora_file: Path | None) -> Any: ...

@@ -77,8 +77,9 @@ class FluxAdapter(FamilyAdapter):
         pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
         return weighted_mse(pred, noise - latents, sigmas, train_cfg["weighting_scheme"])  # velocity target
 
-    def save_lora(self, lora_state_dict, out_dir):
-        FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict, safe_serialization=True)
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
+        FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                   transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     # -- sampling --------------------------------------------------------------------------------

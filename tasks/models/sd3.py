@@ -81,8 +81,9 @@ class SD3Adapter(FamilyAdapter):
             target = noise - latents  # velocity from data to noise
         return weighted_mse(pred, target, sigmas, train_cfg["weighting_scheme"])
 
-    def save_lora(self, lora_state_dict, out_dir):
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
         StableDiffusion3Pipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                                   transformer_lora_adapter_metadata=lora_config,
                                                    safe_serialization=True)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
