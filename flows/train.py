@@ -20,7 +20,8 @@ from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.dataset import DatasetError
 from tasks.hashing import key_of
-from tasks.report import NODES, node_entry, publish, write_report
+from tasks.publish import publish
+from tasks.report import NODES, node_entry, write_report
 from tasks.store import Store
 
 log = logging.getLogger("loraflow")
@@ -69,7 +70,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                    plan=plan, lora_key=lora["key"], lora_file=lora["lora"], text_keys=texts["items"])
 
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
-    artifacts = publish(run_dir, lora["lora"], samples["samples"], plan["prompts"])
+    artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
               "artifacts": {**artifacts, "base_model": plan["model_dir"]},
               "config_name": config_name, "warnings": plan["warnings"], "loss": lora.get("losses", [])}

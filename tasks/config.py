@@ -81,6 +81,11 @@ class TextConfig:
 
 
 @dataclass
+class ExportConfig:
+    format: str = "both"  # kohya (ComfyUI/kohya key names) | diffusers (PEFT names) | both
+
+
+@dataclass
 class StoreConfig:
     root: str = ".loraflow/store"
 
@@ -92,6 +97,7 @@ class RootConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
 
 

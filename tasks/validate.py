@@ -20,7 +20,8 @@ log = logging.getLogger("loraflow")
 
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
             ("constant", "constant_with_warmup", "linear", "cosine"), ("train", "weighting_scheme"):
-            ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16")}
+            ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
+            ("export", "format"): ("kohya", "diffusers", "both")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 

@@ -1,0 +1,212 @@
+"""Export a trained PEFT LoRA as a kohya-style .safetensors: the format ComfyUI, A1111/Forge and sd-scripts load.
+
+Kohya layout: one entry per *original-checkpoint* Linear, `<name>.lora_down.weight` (rank x in),
+`<name>.lora_up.weight` (out x rank) and a scalar `<name>.alpha`; the loader applies
+W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes:
+
+- sd15: `lora_unet_<diffusers name>` (sd-scripts' SD1 UNet uses diffusers module names), via diffusers'
+  own `convert_state_dict_to_kohya`.
+- sdxl: the same converter, then SGM block names (`input_blocks_4_1_...`), as sd-scripts' SDXL LoRAs use;
+  A1111, ComfyUI and diffusers (`_maybe_map_sgm_blocks_to_diffusers`) load them.
+- flux: BFL names (`lora_unet_double_blocks_0_img_attn_qkv`, `..._single_blocks_0_linear1`), i.e.
+  networks.lora_flux's layout, loaded by sd-scripts, ComfyUI, Forge and diffusers' `FluxPipeline` (whose
+  converter assumes FLUX.1's widths for single-block linear1 and drops img_in/txt_in/final_layer).
+- sd3: SAI MMDiT names (`lora_unet_joint_blocks_0_x_block_attn_qkv`), networks.lora_sd3's layout, loaded
+  by sd-scripts and ComfyUI. diffusers' `StableDiffusion3Pipeline` loads NO kohya layout (its
+  `lora_state_dict` does no conversion), so an SD3 export cannot be loaded back with diffusers.
+
+Pure core: no prefect/hydra imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+import torch
+from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
+from safetensors.torch import save_file
+
+FAMILIES = ("flux", "sd3", "sdxl", "sd15")
+CODE_VERSION = "1"  # bump when the key mapping or metadata changes: stored kohya files are re-derived
+
+# diffusers module (full match) -> (kohya module, group size). Group size > 1: the original checkpoint has
+# ONE fused Linear (qkv, or Flux's single-block linear1 = q|k|v|mlp) where diffusers has several; the slot
+# within the group is named by the regex's second group (see _SLOT).
+_B, _S = r"transformer_blocks\.(\d+)\.", r"single_transformer_blocks\.(\d+)\."
+_RULES = {
+    "flux": [
+        (_B + r"attn\.to_([qkv])", "double_blocks_{}_img_attn_qkv", 3),
+        (_B + r"attn\.add_([qkv])_proj", "double_blocks_{}_txt_attn_qkv", 3),
+        (_B + r"attn\.to_out\.0", "double_blocks_{}_img_attn_proj", 1),
+        (_B + r"attn\.to_add_out", "double_blocks_{}_txt_attn_proj", 1),
+        (_B + r"ff\.net\.0\.proj", "double_blocks_{}_img_mlp_0", 1),
+        (_B + r"ff\.net\.2", "double_blocks_{}_img_mlp_2", 1),
+        (_B + r"ff_context\.net\.0\.proj", "double_blocks_{}_txt_mlp_0", 1),
+        (_B + r"ff_context\.net\.2", "double_blocks_{}_txt_mlp_2", 1),
+        (_B + r"norm1\.linear", "double_blocks_{}_img_mod_lin", 1),
+        (_B + r"norm1_context\.linear", "double_blocks_{}_txt_mod_lin", 1),
+        (_S + r"attn\.to_([qkv])", "single_blocks_{}_linear1", 4),
+        (_S + r"(proj_mlp)", "single_blocks_{}_linear1", 4),
+        (_S + r"proj_out", "single_blocks_{}_linear2", 1),
+        (_S + r"norm\.linear", "single_blocks_{}_modulation_lin", 1),
+        (r"proj_out", "final_layer_linear", 1),
+        (r"x_embedder", "img_in", 1),
+        (r"context_embedder", "txt_in", 1),
+    ],
+    "sd3": [
+        (_B + r"attn\.to_([qkv])", "joint_blocks_{}_x_block_attn_qkv", 3),
+        (_B + r"attn\.add_([qkv])_proj", "joint_blocks_{}_context_block_attn_qkv", 3),
+        (_B + r"attn\.to_out\.0", "joint_blocks_{}_x_block_attn_proj", 1),
+        (_B + r"attn\.to_add_out", "joint_blocks_{}_context_block_attn_proj", 1),
+        (_B + r"attn2\.to_([qkv])", "joint_blocks_{}_x_block_attn2_qkv", 3),  # SD3.5 (MMDiT-X) dual attention
+        (_B + r"attn2\.to_out\.0", "joint_blocks_{}_x_block_attn2_proj", 1),
+        (_B + r"ff\.net\.0\.proj", "joint_blocks_{}_x_block_mlp_fc1", 1),
+        (_B + r"ff\.net\.2", "joint_blocks_{}_x_block_mlp_fc2", 1),
+        (_B + r"ff_context\.net\.0\.proj", "joint_blocks_{}_context_block_mlp_fc1", 1),
+        (_B + r"ff_context\.net\.2", "joint_blocks_{}_context_block_mlp_fc2", 1),
+    ],
+}
+_SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
+# Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
+# diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
+_SLOT_WIDTH = (1, 1, 1, 4)
+# diffusers' Flux converter copies final_layer's down/up without reading its alpha (scale 1) -- and today also
+# drops it for a missing `transformer.` prefix. Baking alpha/rank into up (alpha = rank) gives the same delta
+# in every loader.
+_BAKE_ALPHA = {"final_layer_linear"}
+
+_META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
+         "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1")}
+
+
+def _check_family(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return family
+
+
+def _pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT `x.lora_A.weight`/`x.lora_B.weight` -> {x: (A, B)}; anything else (DoRA, lora bias) is refused."""
+    out = {}
+    for key, a in sd.items():
+        if key.endswith(".lora_B.weight"):
+            continue
+        if not key.endswith(".lora_A.weight"):
+            raise ValueError(f"not a plain LoRA key: {key}")
+        module = key[: -len(".lora_A.weight")]
+        if a.shape[0] != rank:  # the single alpha/rank scale below is only right if every module has this rank
+            raise ValueError(f"{module}: rank {a.shape[0]} != {rank}")
+        out[module] = (a, sd[f"{module}.lora_B.weight"])
+    return out
+
+
+def _transformer_to_kohya(family, pairs, rank, alpha):
+    groups: dict[str, tuple[int, dict[int, tuple]]] = {}
+    for module, ab in pairs.items():
+        for pattern, name, size in _RULES[family]:
+            m = re.fullmatch(pattern, module)
+            if m:
+                slot = _SLOT[m.group(2)] if size > 1 else 0
+                groups.setdefault(name.format(*m.groups()[:1]), (size, {}))[1][slot] = ab
+                break
+        else:
+            raise ValueError(f"{family}: no kohya name for LoRA module {module!r}")
+
+    out = {}
+    for name, (size, slots) in groups.items():
+        if size == 1:
+            down, up = slots[0]
+            a = alpha
+            if name in _BAKE_ALPHA:
+                up, a = up * (alpha / rank), float(rank)
+        else:
+            # Fuse into the checkpoint's single Linear, exactly: down = [A_q; A_k; A_v(; A_mlp)] stacked
+            # (size*rank x in), up = block-diagonal diag(B_q, B_k, B_v(, B_mlp)) (sum(out) x size*rank), so
+            # up @ down = [B_q A_q; B_k A_k; ...] with no cross terms. The rank is now size*rank, so alpha is
+            # scaled by size to keep alpha/rank (as sd-scripts does, kohya-ss/sd-scripts#2204). Untrained
+            # slots get zeros, which keeps the block structure diffusers' converter detects as "sparse".
+            i0, (a0, b0) = next(iter(slots.items()))
+            unit = b0.shape[0] // _SLOT_WIDTH[i0]
+            parts = [slots.get(i) or (a0.new_zeros(a0.shape), b0.new_zeros(unit * _SLOT_WIDTH[i], rank))
+                     for i in range(size)]
+            down = torch.cat([p[0] for p in parts])
+            up = torch.block_diag(*[p[1] for p in parts])
+            a = alpha * size
+        out[f"lora_unet_{name}.lora_down.weight"] = down.contiguous()
+        out[f"lora_unet_{name}.lora_up.weight"] = up.contiguous()
+        out[f"lora_unet_{name}.alpha"] = torch.tensor(float(a))
+    return out
+
+
+def _sgm_name(key: str) -> str | None:
+    """diffusers UNet attention-block name -> SGM (`input_blocks`/`middle_block`/`output_blocks`) name.
+    SDXL's UNet has layers_per_block 2, so an input block spans 3 SGM indices (2 layers + downsampler)."""
+    if m := re.match(r"lora_unet_down_blocks_(\d+)_attentions_(\d+)_(.*)", key):
+        return f"lora_unet_input_blocks_{1 + 3 * int(m[1]) + int(m[2])}_1_{m[3]}"
+    if m := re.match(r"lora_unet_up_blocks_(\d+)_attentions_(\d+)_(.*)", key):
+        return f"lora_unet_output_blocks_{3 * int(m[1]) + int(m[2])}_1_{m[3]}"
+    if m := re.match(r"lora_unet_mid_block_attentions_0_(.*)", key):
+        return f"lora_unet_middle_block_1_{m[1]}"
+    return None
+
+
+def _unet_to_kohya(family, peft_state_dict, alpha):
+    out = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict.items()})
+    # diffusers writes alpha = rank (scale 1), right only when alpha == rank: store the trained alpha.
+    out = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v.contiguous() for k, v in out.items()}
+    if family == "sdxl":
+        sgm = {k: _sgm_name(k) for k in out}
+        # Only attention blocks are renamed; with any other module (resnets, conv_in, ...) keep diffusers
+        # names throughout, because diffusers drops the SGM keys of a file that mixes both namings.
+        if all(sgm.values()):
+            out = {sgm[k]: v for k, v in out.items()}
+    return out
+
+
+def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict."""
+    _check_family(family)
+    pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
+    if family in ("sdxl", "sd15"):
+        return _unet_to_kohya(family, peft_state_dict, alpha)
+    return _transformer_to_kohya(family, pairs, rank, alpha)
+
+
+def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, str]:
+    """sd-scripts style `ss_*` metadata (safetensors metadata values must be strings)."""
+    module, version = _META[_check_family(family)]
+    meta = {"ss_network_module": module, "ss_base_model_version": version}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list, tuple)) else str(v)
+                 for k, v in info.items()})
+    # These describe the tensors in the file, so `info` cannot override them.
+    meta.update({"ss_network_dim": str(int(rank)), "ss_network_alpha": str(float(alpha))})
+    return meta
+
+
+def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str]) -> Path:
+    """Write `to_kohya(...)` with `metadata` to `path` atomically: a crash leaves the old file or the new
+    one, never a truncated file that a UI would try to load."""
+    path = Path(path)
+    bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad:
+        raise TypeError(f"safetensors metadata must be str -> str: {bad}")
+    tensors = {k: v.detach().cpu() for k, v in to_kohya(family, peft_state_dict, rank, alpha).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # same dir: os.replace must not cross fs
+    try:
+        save_file(tensors, str(tmp), metadata=dict(metadata))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path

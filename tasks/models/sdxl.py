@@ -1,0 +1,35 @@
+"""SDXL: CLIP-L and CLIP-G penultimate states concatenated, CLIP-G's pooled projection plus size ids as the
+UNet's added conditioning; UNet on VAE /8 latents (diffusers' train_text_to_image_lora_sdxl.py)."""
+from __future__ import annotations
+
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+from tasks.models.unet import VAE_SCALE, UNetAdapter
+
+
+class SDXLAdapter(UNetAdapter):
+    family = "sdxl"
+    pipeline_cls = StableDiffusionXLPipeline
+    text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    embed_names = ("prompt_embeds", "pooled_prompt_embeds")
+
+    def _encode(self, pipe, texts):
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, device="cpu", num_images_per_prompt=1,
+                                                  do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def added_cond_kwargs(self, text, latents):
+        # time_ids = (orig_h, orig_w, crop_top, crop_left, target_h, target_w) in pixels: the uncropped
+        # training size, which is what the pipeline passes at sampling time for the same height/width.
+        b, _, h, w = latents.shape
+        h, w = h * VAE_SCALE, w * VAE_SCALE
+        time_ids = torch.tensor([h, w, 0, 0, h, w], dtype=latents.dtype).repeat(b, 1)
+        return {"text_embeds": text["pooled_prompt_embeds"].to(latents.dtype), "time_ids": time_ids}
+
+    def unconditional(self, pipe, negative, empty):
+        # With force_zeros_for_empty_prompt (SDXL base) the pipeline's negative for "no negative prompt" is
+        # all zeros, not the encoded empty prompt: leave it to the pipeline.
+        if negative is None and pipe.config.get("force_zeros_for_empty_prompt", False):
+            return None
+        return super().unconditional(pipe, negative, empty)

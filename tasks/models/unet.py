@@ -1,0 +1,124 @@
+"""What SD1.5 and SDXL share: a UNet2DConditionModel on VAE /8 latents, a DDPM noise schedule with an
+epsilon or v-prediction target, and CLIP text towers. Training follows diffusers'
+examples/text_to_image/train_text_to_image_lora(_sdxl).py; a family subclass says only how its pipeline
+encodes text and what extra conditioning its UNet takes."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+
+from tasks.models.base import FamilyAdapter
+
+# use_safetensors=True: never fall back to pickled .bin weights.
+_SAFE = dict(use_safetensors=True)
+VAE_SCALE = 8  # pixels per latent (4 VAE down blocks)
+
+
+class UNetAdapter(FamilyAdapter):
+    pipeline_cls: type  # the family's diffusers pipeline: loading, text encoding, LoRA file format, sampling
+    # Cached text tensors the UNet and the pipeline take (each also as `negative_<name>` for CFG).
+    embed_names: tuple[str, ...] = ("prompt_embeds",)
+    # Pipeline parts never loaded (not in any node's component identity).
+    skip_parts: dict = {}
+
+    latent_components = ("vae",)
+    denoiser_components = ("unet",)
+    sample_components = ("unet", "vae", "scheduler")
+    size_multiple = VAE_SCALE  # no patching
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
+
+    @torch.no_grad()
+    def encode_latents(self, vae, pixels):
+        # The mode, not a sample: the cached latent is then a pure function of the image. No shift in SD/SDXL.
+        return vae.encode(pixels.to(vae.dtype)).latent_dist.mode() * vae.config.scaling_factor
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return self.pipeline_cls.from_pretrained(self.model_dir, unet=None, vae=None, dtype=self.dtype,
+                                                 **self.skip_parts, **_SAFE)
+
+    @abstractmethod
+    def _encode(self, pipe, texts: list[str]) -> dict[str, torch.Tensor]:
+        """The pipeline's own encode_prompt, batched: {name in embed_names: [B, ...]}."""
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        out = self._encode(pipe, texts)
+        # encode_prompt pads to the tokenizer's 77 tokens. The tokenizer's own mask marks real tokens
+        # (bos..eos), which `ids != pad` would not: CLIP-L pads with its eos token.
+        out["attention_mask"] = pipe.tokenizer(texts, padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                                               truncation=True, return_tensors="pt").attention_mask.to(torch.int64)
+        return [{k: v[i] for k, v in out.items()} for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return UNet2DConditionModel.from_pretrained(self.model_dir, subfolder="unet", dtype=self.dtype, **_SAFE)
+
+    def default_lora_targets(self):
+        # The attention projections, as diffusers' SD/SDXL LoRA examples.
+        return ["to_k", "to_q", "to_v", "to_out.0"]
+
+    def load_train_scheduler(self):
+        # The noise schedule the model was trained with (diffusers maps the Euler/DDIM sampler config).
+        return DDPMScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+
+    def added_cond_kwargs(self, text: dict[str, torch.Tensor], latents: torch.Tensor) -> dict | None:
+        """Extra UNet conditioning (SDXL's pooled text and size ids); none for SD1.5."""
+        return None
+
+    def training_loss(self, unet, latents, text, train_cfg, scheduler, generator):
+        # All randomness from `generator`: a seed fixes the whole run.
+        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator)
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        prediction_type = scheduler.config.prediction_type
+        if prediction_type == "epsilon":
+            target = noise
+        elif prediction_type == "v_prediction":
+            target = scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            raise ValueError(f"unsupported prediction_type {prediction_type!r} in {self.model_dir}/scheduler")
+        pred = unet(noisy, timesteps, encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),
+                    added_cond_kwargs=self.added_cond_kwargs(text, latents), return_dict=False)[0]
+        return F.mse_loss(pred.float(), target.float(), reduction="mean")
+
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
+        # Keys stay in PEFT layout (`unet.<module>.lora_A.weight`), which diffusers loads as is, rather than
+        # the examples' convert_state_dict_to_diffusers (`lora.down`): that renames only to_q/k/v/out.0, so
+        # other target_modules would give a mixed file, and tasks/publish.py reads PEFT keys back.
+        self.pipeline_cls.save_lora_weights(out_dir, unet_lora_layers=lora_state_dict,
+                                            unet_lora_adapter_metadata=lora_config, safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    # -- sampling --------------------------------------------------------------------------------
+    def load_sampler(self, lora_file):
+        no_text = {name: None for name in self.text_components}  # renders from cached embeddings
+        pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **no_text, **self.skip_parts,
+                                                 **_SAFE)
+        if lora_file is not None:
+            pipe.load_lora_weights(str(lora_file))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def unconditional(self, pipe, negative, empty):
+        """The CFG negative: the prompt's own, else the empty prompt (what the pipeline encodes for
+        negative_prompt=None). None lets the pipeline choose."""
+        return negative if negative is not None else empty
+
+    @torch.no_grad()
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+        # Real CFG with `guidance`; true_cfg is Flux's and unused here.
+        kwargs = {name: prompt[name][None].to(self.dtype) for name in self.embed_names}
+        uncond = self.unconditional(pipe, negative, empty)
+        if uncond is not None:
+            kwargs.update({f"negative_{name}": uncond[name][None].to(self.dtype) for name in self.embed_names})
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return pipe(width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
+                    generator=generator, output_type="pil", **kwargs).images[0]

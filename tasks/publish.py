@@ -1,0 +1,65 @@
+"""The run's outputs, copied out of the store into its run directory, in the requested LoRA formats.
+
+The kohya file is derived from the stored diffusers LoRA and is itself a store entry, keyed by the
+LoRA's key and the converter's version, so it is converted once."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tasks import export
+from tasks.hashing import key_of
+from tasks.sample import make_grid, slug
+from tasks.store import Store
+
+KOHYA_KIND = "lora_kohya"
+
+
+def peft_from_diffusers(state_dict: dict) -> dict:
+    """diffusers' file names keys '<component>.<module>...'; peft's state dict has no component prefix."""
+    return {k.split(".", 1)[1]: v for k, v in state_dict.items()}
+
+
+def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
+    tc = cfg["train"]
+    key = key_of({"lora": lora["key"], "format": "kohya", "code": export.CODE_VERSION})
+    if not store.valid(KOHYA_KIND, key):
+        alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+        pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
+        config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
+        metadata = {"ss_steps": str(tc["max_steps"]), "ss_learning_rate": str(tc["lr"]),
+                    "ss_seed": str(tc["seed"]), "ss_num_train_images": str(len(pairs)),
+                    "ss_dataset_hash": key_of(pairs), "ss_config_hash": key_of(config),
+                    "loraflow_base_model": plan["ids"]["denoiser"], "loraflow_train_key": lora["key"]}
+        with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
+            path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"],
+                                     peft_from_diffusers(load_file(lora["lora"])), tc["rank"], alpha, metadata)
+            store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
+    return store.get_path(KOHYA_KIND, key)
+
+
+def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
+    lora_dir = run_dir / "lora"
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    fmt, files = cfg["export"]["format"], {}
+    if fmt in ("diffusers", "both"):
+        # The file name diffusers' load_lora_weights(<dir>) looks for.
+        files["diffusers"] = lora_dir / "pytorch_lora_weights.safetensors"
+        shutil.copyfile(lora["lora"], files["diffusers"])
+    if fmt in ("kohya", "both"):
+        files["kohya"] = lora_dir / "lora_kohya.safetensors"
+        shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
+    out = run_dir / "samples"
+    out.mkdir(exist_ok=True)
+    paths = []
+    for src, p in zip(samples, plan["prompts"]):
+        dst = out / f"{p['line']:03d}_{slug(p['prompt'])}.png"
+        shutil.copyfile(src, dst)
+        paths.append(str(dst))
+    grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None
+    main = files.get("diffusers") or files["kohya"]
+    return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
+            "grid": grid, "checkpoint_samples": {}}

@@ -1,0 +1,246 @@
+"""tasks/export.py: PEFT LoRA -> kohya .safetensors, checked for exactness against the PEFT/diffusers format.
+
+Reference everywhere: the same LoRA saved with `<Pipeline>.save_lora_weights(..., *_lora_adapter_metadata=config)`
+(so alpha is kept) and loaded with `load_lora_weights`. The kohya file must give the same image.
+
+Loaders of the kohya file:
+- "diffusers": `pipe.load_lora_weights(file)`, i.e. diffusers' own kohya converters. Used for SD1.5, SDXL and Flux.
+  For Flux it covers everything except single-block linear1 (q|k|v|mlp) and top-level modules: diffusers'
+  converter hard-codes FLUX.1's widths for linear1 (3*3072+12288, the tiny model is narrower) and drops
+  img_in/txt_in/final_layer (it emits them without the `transformer.` prefix). Those are covered by
+  test_flux_layout_through_diffusers_at_flux1_dims and by the "merge" loader.
+- "merge": what ComfyUI / sd-scripts do with a kohya file: W += alpha/rank * up @ down on the original
+  (BFL / SAI) Linear, whose rows are the diffusers q/k/v(/mlp) weights stacked. diffusers' SD3 pipeline
+  loads no kohya layout at all (it silently ignores the keys), so SD3 is only checked this way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FluxPipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tasks.export import kohya_metadata, save_kohya, to_kohya
+from tasks.models.tiny import build_tiny_flux
+from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
+
+RANK, ALPHA = 4, 8
+BUILDERS = {"flux": build_tiny_flux, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15}
+_ATTN = ["to_k", "to_q", "to_v", "to_out.0"]
+_JOINT = _ATTN + ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]
+TARGETS = {
+    # Flux: attention of both block types (single blocks have attn.to_q/k/v), plus MLPs and the final proj_out.
+    "flux": _JOINT + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"],
+    "sd3": [f"attn.{m}" for m in _JOINT],
+    "sdxl": _ATTN,
+    "sd15": _ATTN,
+}
+# Everything diffusers' kohya Flux loader handles at any width (see module docstring).
+FLUX_DIFFUSERS_TARGETS = (r"(transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
+                          r"|ff(_context)?\.net\.(0\.proj|2)|norm1(_context)?\.linear)"
+                          r"|single_transformer_blocks\.\d+\.(proj_out|norm\.linear))")
+
+# Original-checkpoint Linear (kohya name without `lora_unet_`) -> the diffusers Linears that are its row blocks,
+# as in ComfyUI's flux_to_diffusers / diffusers' SD3 single-file converter. Written out for block 0 (the tiny
+# models have one block of each kind).
+_T, _S = "transformer_blocks.0.", "single_transformer_blocks.0."
+MERGE_TABLE = {
+    "flux": {
+        "double_blocks_0_img_attn_qkv": [_T + "attn.to_q", _T + "attn.to_k", _T + "attn.to_v"],
+        "double_blocks_0_txt_attn_qkv": [_T + "attn.add_q_proj", _T + "attn.add_k_proj", _T + "attn.add_v_proj"],
+        "double_blocks_0_img_attn_proj": [_T + "attn.to_out.0"],
+        "double_blocks_0_txt_attn_proj": [_T + "attn.to_add_out"],
+        "double_blocks_0_img_mlp_0": [_T + "ff.net.0.proj"],
+        "double_blocks_0_img_mlp_2": [_T + "ff.net.2"],
+        "double_blocks_0_txt_mlp_0": [_T + "ff_context.net.0.proj"],
+        "double_blocks_0_txt_mlp_2": [_T + "ff_context.net.2"],
+        "single_blocks_0_linear1": [_S + "attn.to_q", _S + "attn.to_k", _S + "attn.to_v", _S + "proj_mlp"],
+        "single_blocks_0_linear2": [_S + "proj_out"],
+        "final_layer_linear": ["proj_out"],
+    },
+    "sd3": {
+        "joint_blocks_0_x_block_attn_qkv": [_T + "attn.to_q", _T + "attn.to_k", _T + "attn.to_v"],
+        "joint_blocks_0_context_block_attn_qkv": [_T + "attn.add_q_proj", _T + "attn.add_k_proj",
+                                                  _T + "attn.add_v_proj"],
+        "joint_blocks_0_x_block_attn_proj": [_T + "attn.to_out.0"],
+        "joint_blocks_0_context_block_attn_proj": [_T + "attn.to_add_out"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = BUILDERS[family](tmp_path_factory.mktemp(family) / "model")
+        return cache[family]
+    return get
+
+
+def _load(model_dir):
+    return DiffusionPipeline.from_pretrained(model_dir, use_safetensors=True)
+
+
+def _denoiser(pipe):
+    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+
+
+def _render(pipe):
+    kw = {"max_sequence_length": 32} if hasattr(pipe, "transformer") else {}
+    out = pipe("a photo of a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
+               generator=torch.Generator("cpu").manual_seed(0), **kw)
+    return out.images[0]
+
+
+def _trained_lora(model_dir, targets):
+    """A LoRA as training leaves it, but with non-zero B (PEFT initialises B to zero)."""
+    den = _denoiser(_load(model_dir))
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets)
+    den.add_adapter(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return get_peft_model_state_dict(den), config
+
+
+def _render_peft_reference(model_dir, sd, config, out_dir):
+    pipe = _load(model_dir)
+    key = "transformer" if hasattr(pipe, "transformer") else "unet"
+    type(pipe).save_lora_weights(out_dir, **{f"{key}_lora_layers": sd,
+                                             f"{key}_lora_adapter_metadata": config.to_dict()})
+    pipe.load_lora_weights(str(out_dir))
+    return _render(pipe)
+
+
+def _merge_like_comfyui(pipe, kohya, table):
+    modules = dict(_denoiser(pipe).named_modules())
+    names = {k.split(".")[0] for k in kohya}
+    assert {n.removeprefix("lora_unet_") for n in names} <= set(table), "module without a known original Linear"
+    with torch.no_grad():
+        for name in names:
+            down, up = kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"]
+            delta = kohya[f"{name}.alpha"].item() / down.shape[0] * (up @ down)
+            targets = [modules[m] for m in table[name.removeprefix("lora_unet_")]]
+            assert delta.shape == (sum(t.weight.shape[0] for t in targets), targets[0].weight.shape[1])
+            for t, rows in zip(targets, torch.split(delta, [t.weight.shape[0] for t in targets])):
+                t.weight += rows
+
+
+@pytest.mark.parametrize("family,loader", [("sd15", "diffusers"), ("sdxl", "diffusers"), ("flux", "diffusers"),
+                                           ("flux", "merge"), ("sd3", "merge")])
+def test_kohya_export_reproduces_peft_lora(family, loader, model_dirs, tmp_path):
+    model_dir = model_dirs(family)
+    targets = FLUX_DIFFUSERS_TARGETS if (family, loader) == ("flux", "diffusers") else TARGETS[family]
+    sd, config = _trained_lora(model_dir, targets)
+    meta = kohya_metadata(family, RANK, ALPHA, ss_steps=10, ss_dataset_hash="abc", loraflow_base_model="sha256:0")
+    file = save_kohya(tmp_path / "out" / "lora.safetensors", family, sd, RANK, ALPHA, meta)
+
+    kohya = load_file(file)
+    assert kohya and all(k.startswith("lora_unet_") for k in kohya)
+    assert all(k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha")) for k in kohya)
+    assert all(v.ndim == 0 for k, v in kohya.items() if k.endswith(".alpha"))
+    with safe_open(str(file), "pt") as f:
+        assert f.metadata() == meta
+    if family == "sdxl":  # sd-scripts' SDXL naming, all three block kinds present
+        assert {k.split("_")[2] for k in kohya} == {"input", "middle", "output"}
+
+    base = _render(_load(model_dir))
+    ref = _render_peft_reference(model_dir, sd, config, tmp_path / "peft")
+    pipe = _load(model_dir)
+    if loader == "diffusers":
+        pipe.load_lora_weights(str(file))
+    else:
+        _merge_like_comfyui(pipe, kohya, MERGE_TABLE[family])
+    out = _render(pipe)
+
+    assert np.abs(ref - base).max() > 1e-2, "the LoRA should change the image"
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def test_flux_layout_through_diffusers_at_flux1_dims():
+    """The fused layouts at FLUX.1's real widths, through diffusers' own kohya converter (no model needed):
+    single-block linear1 (q|k|v|mlp), partly trained groups (zero-filled slots) and a non-power-of-2 scale."""
+    d, rank, alpha, gen = 3072, 2, 3.0, torch.Generator().manual_seed(0)
+    shapes = {f"transformer_blocks.0.attn.{m}": (d, d) for m in ("to_q", "to_k", "to_v", "add_q_proj", "add_v_proj")}
+    shapes |= {f"single_transformer_blocks.0.attn.{m}": (d, d) for m in ("to_q", "to_k", "to_v")}
+    shapes |= {"single_transformer_blocks.0.proj_mlp": (4 * d, d), "single_transformer_blocks.1.attn.to_v": (d, d)}
+    sd = {}
+    for m, (out_dim, in_dim) in shapes.items():
+        sd[f"{m}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen, dtype=torch.float64)
+        sd[f"{m}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen, dtype=torch.float64)
+
+    kohya = to_kohya("flux", sd, rank, alpha)
+    assert kohya["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (7 * d, 4 * rank)
+    assert kohya["lora_unet_single_blocks_0_linear1.alpha"].item() == 4 * alpha
+    conv = FluxPipeline.lora_state_dict(kohya)  # diffusers: alpha folded in, i.e. loaded at scale 1
+
+    x = torch.randn(d, 3, generator=gen, dtype=torch.float64)  # float64: compare the maths, not fp32 rounding
+    for m in shapes:
+        a, b = conv[f"transformer.{m}.lora_A.weight"], conv[f"transformer.{m}.lora_B.weight"]
+        expected = alpha / rank * sd[f"{m}.lora_B.weight"] @ (sd[f"{m}.lora_A.weight"] @ x)
+        torch.testing.assert_close(b @ (a @ x), expected)
+    # Untrained members of a fused group come back as exact zeros.
+    for m in ("transformer_blocks.0.attn.add_k_proj", "single_transformer_blocks.1.attn.to_q",
+              "single_transformer_blocks.1.proj_mlp"):
+        assert not conv[f"transformer.{m}.lora_B.weight"].any()
+
+
+def test_kohya_metadata_strings_and_sd_scripts_keys():
+    meta = kohya_metadata("flux", 16, 8, ss_steps=100, ss_network_dim="999", tags=["a", "b"], loraflow_base_model="x")
+    assert all(isinstance(v, str) for v in meta.values())
+    assert meta["ss_network_module"] == "networks.lora_flux" and meta["ss_base_model_version"] == "flux1"
+    assert meta["ss_network_dim"] == "16" and meta["ss_network_alpha"] == "8.0"  # describe the tensors: not overridable
+    assert meta["ss_steps"] == "100" and meta["tags"] == '["a", "b"]' and meta["loraflow_base_model"] == "x"
+    assert kohya_metadata("sdxl", 4, 4)["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert kohya_metadata("sd15", 4, 4)["ss_network_module"] == "networks.lora"
+    with pytest.raises(ValueError):
+        kohya_metadata("sd2", 4, 4)
+
+
+def _tiny_sd15_lora():
+    gen = torch.Generator().manual_seed(0)
+    m = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    return {f"{m}.lora_A.weight": torch.randn(4, 8, generator=gen),
+            f"{m}.lora_B.weight": torch.randn(8, 4, generator=gen)}
+
+
+def test_save_kohya_replaces_atomically(tmp_path, monkeypatch):
+    path, sd = tmp_path / "lora.safetensors", _tiny_sd15_lora()
+    save_kohya(path, "sd15", sd, 4, 8, {"v": "1"})
+    save_kohya(path, "sd15", sd, 4, 8, {"v": "2"})
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"v": "2"}
+
+    import tasks.export as export
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(export, "save_file", crash)
+    with pytest.raises(OSError):
+        save_kohya(path, "sd15", sd, 4, 8, {"v": "3"})
+    with safe_open(str(path), "pt") as f:  # the old file is intact and no temp file is left behind
+        assert f.metadata() == {"v": "2"}
+    assert [p.name for p in tmp_path.iterdir()] == ["lora.safetensors"]
+    with pytest.raises(TypeError):
+        save_kohya(path, "sd15", sd, 4, 8, {"steps": 3})
+
+
+def test_to_kohya_refuses_what_it_cannot_express():
+    with pytest.raises(ValueError, match="family"):
+        to_kohya("sd2", _tiny_sd15_lora(), 4, 8)
+    with pytest.raises(ValueError, match="rank"):
+        to_kohya("sd15", _tiny_sd15_lora(), 8, 8)
+    a, b = torch.zeros(4, 8), torch.zeros(16, 4)
+    with pytest.raises(ValueError, match="norm_out"):  # AdaLN output has shift/scale swapped vs BFL: not mapped
+        to_kohya("flux", {"norm_out.linear.lora_A.weight": a, "norm_out.linear.lora_B.weight": b}, 4, 8)
+    with pytest.raises(ValueError, match="plain LoRA"):
+        to_kohya("sd3", {"transformer_blocks.0.attn.to_q.lora_magnitude_vector": a[0]}, 4, 8)
