@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from tasks import augment
 from tasks.hashing import digest_text, key_of
 from tasks.items import check_items, chunks, node_result
 from tasks.models import make_adapter
@@ -19,10 +20,29 @@ def params(cfg: dict, plan: dict) -> dict:
             "family": plan["family"]}
 
 
+def caption_aug(cfg: dict) -> augment.CaptionAug:
+    return augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
+
+
+def caption_name(item: str, label: str) -> str:
+    """`caption:<item>` for the caption as written, `caption:<item>:<label>` for an augmentation variant."""
+    return f"caption:{item}" if label == "full.v0" else f"caption:{item}:{label}"
+
+
+def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
+    """label -> text of every caption text training reads from the cache for this item (with augmentation:
+    each variant and warm-up truncation); empty when training encodes captions itself."""
+    aug = caption_aug(cfg)
+    if augment.text_mode(cfg["text"], aug) != "cached":
+        return {}
+    return augment.cached_texts(item["caption"], aug, cfg["text"]["variants_seed"])
+
+
 def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
-    """Every text the run caches, by a readable name (for `changed` in the report). Captions only when
-    text.cache is on; otherwise the train node encodes them live."""
-    texts = {f"caption:{it['name']}": it["caption"] for it in plan["items"]} if cfg["text"]["cache"] else {}
+    """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
+    augmentation variants) only when training reads them from the cache; otherwise it encodes them."""
+    texts = {caption_name(it["name"], label): text
+             for it in plan["items"] for label, text in caption_texts(cfg, plan, it).items()}
     for p in plan["prompts"]:
         texts[f"prompt:{p['line']}"] = p["prompt"]
         if p["negative"]:
@@ -58,7 +78,9 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
                 store.put_tensors(KIND, k, tensors, meta={"text": by_key[k]})
         log.info("cache_text: encoded %d text(s), reused %d", len(status.missing), len(status.reused))
         del encoders
-    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
+    captions = sum(n.startswith("caption:") for n in texts)
+    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan), caption_texts=captions,
+                       distinct_texts=len(set(keys.values())))
 
 
 def key_of_node(cfg: dict, plan: dict) -> str:

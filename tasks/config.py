@@ -24,6 +24,9 @@ class ModelConfig:
     family: str = "flux"
     # A diffusers folder or hub id. None: build the tiny model from `arch`/`seed` into the store.
     path: Optional[str] = None
+    # With a single-file path (.safetensors): the diffusers folder or hub id that supplies the configs and
+    # the components the file lacks.
+    config: Optional[str] = None
     seed: int = 0
     arch: Dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -37,6 +40,14 @@ class DataConfig:
     resolution_type: str = "pixels"  # pixels | area (megapixels)
     missing_caption: str = "error"  # error | empty
     caption_extension: str = ".txt"
+    # Caption augmentation, kohya meanings; all of it works with the text cache (see text.variants).
+    caption_dropout_rate: float = 0.0
+    shuffle_caption: bool = False
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    caption_tag_dropout_rate: float = 0.0
+    token_warmup_step: float = 0  # 0: off; below 1: a fraction of train.max_steps
+    token_warmup_min: int = 1
 
 
 @dataclass
@@ -59,6 +70,10 @@ class TrainConfig:
     guidance: float = 1.0  # Flux-dev's distilled guidance value fed while training
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
+    save_every_n_steps: int = 0  # 0: a checkpoint at the last step only
+    # auto: continue from the latest stored checkpoint of the same trajectory (an interrupted run, or a
+    # run whose max_steps grew); never: always start from step 0
+    resume: str = "auto"
 
 
 @dataclass
@@ -71,6 +86,9 @@ class SampleConfig:
     width: Optional[int] = None  # None: the training resolution
     height: Optional[int] = None
     grid: bool = True
+    # cpu: the start noise is drawn on the CPU (a seed gives the same image on any machine); device: on
+    # the sampler's device.
+    generator_device: str = "cpu"
 
 
 @dataclass
@@ -78,6 +96,12 @@ class TextConfig:
     # false: captions are encoded live in the training loop (the encoders stay loaded); sample prompts
     # and the empty prompt are still cached, so sampling works either way.
     cache: bool = True
+    # Shuffle / tag dropout with the cache: this many pre-encoded variants per caption (and warm-up length),
+    # drawn from variants_seed and the caption, so a re-run reuses them.
+    variants: int = 4
+    variants_seed: int = 0
+    fresh_draws: bool = False  # true: a new draw every step, encoded on demand (encoders stay loaded)
+    offload_encoders: bool = False  # true: the train node must never load the text encoders
 
 
 @dataclass
@@ -125,8 +149,14 @@ def compose(config_name: str = "train", overrides: List[str] | None = None) -> t
     overrides = list(overrides or [])
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
+    from hydra.errors import HydraException
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        try:
+            cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        except HydraException as e:  # a misspelt key or wrong type: Hydra's message names the key
+            cause = f" ({e.__cause__})" if e.__cause__ else ""
+            raise ConfigError(f"config {config_name!r} with overrides {overrides}: {e}{cause}") from e
     run_dir = Path(str(cfg.hydra.run.dir))
     with _unlocked(cfg):
         del cfg["hydra"]
@@ -151,7 +181,8 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict
     for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root")):
         value = plain[section][key]
         plain[section][key] = str((cwd / os.path.expanduser(value)).resolve())
-    path = plain["model"].get("path")
-    if path and (cwd / os.path.expanduser(path)).exists():
-        plain["model"]["path"] = str((cwd / os.path.expanduser(path)).resolve())
+    for key in ("path", "config"):  # a local path (else a hub id, kept as is)
+        value = plain["model"].get(key)
+        if value and (cwd / os.path.expanduser(value)).exists():
+            plain["model"][key] = str((cwd / os.path.expanduser(value)).resolve())
     return plain

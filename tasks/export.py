@@ -30,8 +30,10 @@ import torch
 from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
 from safetensors.torch import save_file
 
+from tasks.store import canonicalize_safetensors
+
 FAMILIES = ("flux", "sd3", "sdxl", "sd15")
-CODE_VERSION = "1"  # bump when the key mapping or metadata changes: stored kohya files are re-derived
+CODE_VERSION = "3"  # bump when the key mapping or metadata changes: stored kohya files are re-derived
 
 # diffusers module (full match) -> (kohya module, group size). Group size > 1: the original checkpoint has
 # ONE fused Linear (qkv, or Flux's single-block linear1 = q|k|v|mlp) where diffusers has several; the slot
@@ -199,6 +201,7 @@ def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, s
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # same dir: os.replace must not cross fs
     try:
         save_file(tensors, str(tmp), metadata=dict(metadata))
+        canonicalize_safetensors(tmp)  # safetensors orders metadata by hash: fix the bytes
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

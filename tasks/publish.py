@@ -30,10 +30,10 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
         alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
         config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
-        metadata = {"ss_steps": str(tc["max_steps"]), "ss_learning_rate": str(tc["lr"]),
-                    "ss_seed": str(tc["seed"]), "ss_num_train_images": str(len(pairs)),
-                    "ss_dataset_hash": key_of(pairs), "ss_config_hash": key_of(config),
-                    "loraflow_base_model": plan["ids"]["denoiser"], "loraflow_train_key": lora["key"]}
+        metadata = export.kohya_metadata(
+            plan["family"], tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
+            ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
+            ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
         with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
             path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"],
                                      peft_from_diffusers(load_file(lora["lora"])), tc["rank"], alpha, metadata)

@@ -27,7 +27,8 @@ def settings(cfg: dict, plan: dict, prompt: dict) -> dict:
             "steps": prompt["steps"] or sc["steps"],
             "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],
             "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc["true_cfg"],
-            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"]}
+            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"],
+            "generator_device": sc["generator_device"]}
 
 
 def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:

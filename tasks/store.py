@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -207,3 +208,28 @@ class Store:
         _write_bytes(tmp, digest.encode())
         os.replace(tmp, memo)
         return digest
+
+
+def canonicalize_safetensors(path: str | os.PathLike) -> None:
+    """Rewrite a .safetensors header in a canonical order, in place.
+
+    safetensors keeps `__metadata__` in a Rust HashMap, so files with two or more metadata entries
+    (diffusers' LoRA files, kohya's ss_* keys) come out in a different byte order from run to run. The
+    tensors' bytes and offsets are unchanged; only the header's key order is fixed (sorted)."""
+    path = Path(path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: (header[k]["data_offsets"][0], k))
+    ordered = {**({"__metadata__": header["__metadata__"]} if "__metadata__" in header else {}),
+               **{k: header[k] for k in tensors}}
+    raw = json.dumps(ordered, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    tmp = path.with_name(f".{path.name}.canon")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

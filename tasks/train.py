@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import random
 import tempfile
+import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +16,21 @@ from diffusers.optimization import get_scheduler
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from tasks import cache_latents, cache_text
+from tasks import augment, cache_latents, cache_text
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result
 from tasks.models import make_adapter
-from tasks.store import Store
+from tasks.store import Store, canonicalize_safetensors
 
-CODE_VERSION = "2"  # 2: the LoRA file carries its peft config (alpha)
+CODE_VERSION = "3"  # 3: epoch order drawn from (seed, epoch), checkpoints and continuation
 KIND = "lora"
+CHECKPOINT_KIND = "checkpoints"
 log = logging.getLogger("loraflow")
+
+# Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
+# max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
+_NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
+SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
@@ -33,29 +41,75 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
             "dtype": cfg["model"]["dtype"], "text.cache": cfg["text"]["cache"],
-            **{f"train.{k}": v for k, v in cfg["train"].items()}, **pairs}
+            **{f"train.{k}": v for k, v in cfg["train"].items()}, **_augmentation(cfg), **pairs}
+
+
+def _augmentation(cfg: dict) -> dict:
+    aug = cache_text.caption_aug(cfg)
+    if not augment.active(aug):
+        return {}
+    return {"augment": {**asdict(aug), "mode": augment.text_mode(cfg["text"], aug),
+                        "variants_seed": cfg["text"]["variants_seed"]}}
+
+
+def trajectory_key(node_inputs: dict, tc: dict) -> str:
+    keep = {k: v for k, v in node_inputs.items() if k not in _NOT_TRAJECTORY}
+    if tc["lr_scheduler"] not in SCHEDULES_WITHOUT_MAX_STEPS:
+        keep["train.max_steps"] = tc["max_steps"]
+    return key_of(keep)
+
+
+def checkpoint_key(trajectory: str, step: int) -> str:
+    return key_of({"trajectory": trajectory, "step": step})
+
+
+def latest_checkpoint(store: Store, trajectory: str, max_steps: int) -> int:
+    """The highest step <= max_steps with a valid stored checkpoint of this trajectory (0: none)."""
+    for step in range(max_steps, 0, -1):
+        key = checkpoint_key(trajectory, step)
+        if store.exists(CHECKPOINT_KIND, key):
+            if store.valid(CHECKPOINT_KIND, key):
+                return step
+            log.warning("train: checkpoint at step %d failed verification; discarded", step)
+            store.discard(CHECKPOINT_KIND, key)
+    return 0
 
 
 def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
-    return text_keys.get(f"caption:{item['name']}") or cache_text.text_key(cfg, plan, item["caption"])
+    """The caption's identity for the training key: its cached texts' keys (all variants), or, when
+    training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
+    labels = cache_text.caption_texts(cfg, plan, item)
+    if labels:
+        return key_of(sorted(text_keys[cache_text.caption_name(item["name"], label)] for label in labels))
+    return cache_text.text_key(cfg, plan, item["caption"])
 
 
 class _Captions:
-    """Caption tensors for item i: from the store (text.cache=true), or encoded live one caption at a
-    time (text.cache=false) -- one at a time so both paths give the same bytes, hence the same loss."""
+    """Caption tensors per item and step.
+
+    cached: the augmentation's label for this step (`augment.choose`) picks a stored variant, or the
+    stored empty prompt when the caption is dropped; fresh/live: a new draw (`augment.fresh`) encoded
+    now, one caption at a time so it gives the bytes the cache would (hence the same loss)."""
 
     def __init__(self, cfg, plan, store, adapter, text_keys):
-        self.captions = [it["caption"] for it in plan["items"]]
-        if cfg["text"]["cache"]:
-            self.cached = [store.get_tensors(cache_text.KIND, text_keys[f"caption:{it['name']}"]) for it in plan["items"]]
-        else:
-            self.cached, self.adapter = None, adapter
+        self.items, self.store, self.text_keys = plan["items"], store, text_keys
+        self.aug = cache_text.caption_aug(cfg)
+        self.mode = augment.text_mode(cfg["text"], self.aug)
+        self.adapter, self.memo = adapter, {}
+        if self.mode != "cached":
             self.encoders = adapter.load_text_encoders()
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if self.cached is not None:
-            return self.cached[i]
-        return self.adapter.encode_text(self.encoders, [self.captions[i]])[0]
+    def get(self, i: int, step: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        item = self.items[i]
+        if self.mode != "cached":
+            return self.adapter.encode_text(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
+        label = augment.choose(item["caption"], self.aug, step, generator)
+        key = self.text_keys["empty" if label is None else cache_text.caption_name(item["name"], label)]
+        if key not in self.memo:
+            if len(self.memo) >= 4096:  # bounded: many variants of big T5 states would not fit in memory
+                self.memo.clear()
+            self.memo[key] = self.store.get_tensors(cache_text.KIND, key)
+        return self.memo[key]
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -65,20 +119,55 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(seed)
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator):
-    """Endless stream of index batches: a fresh seeded permutation each epoch, the last partial batch kept."""
-    while True:
-        order = torch.randperm(n, generator=generator).tolist()
-        for i in range(0, n, batch_size):
-            yield order[i:i + batch_size]
+def batch_at(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """Item indices of a 1-based step: a seeded permutation per epoch, the last partial batch kept.
+    Stateless, so a run continued from a checkpoint draws the batches a straight run draws."""
+    per_epoch = -(-n // batch_size)
+    epoch, i = divmod(step - 1, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator("cpu").manual_seed(key_int(seed, epoch))).tolist()
+    return order[i * batch_size:(i + 1) * batch_size]
+
+
+def key_int(*parts) -> int:
+    return int(key_of(list(parts))[:15], 16)
 
 
 def _stack(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([d[k] for d in dicts]) for k in dicts[0]}
 
 
-def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path) -> tuple[Path, list]:
-    """The training loop, top to bottom. Returns (LoRA file, logged losses)."""
+def _save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, generator, step_losses) -> None:
+    """LoRA weights, AdamW state and RNG states as safetensors (no pickle); the losses so far as JSON."""
+    tensors = {"rng/generator": generator.get_state(), "rng/torch": torch.get_rng_state()}
+    for name, p in named.items():
+        tensors[f"lora/{name}"] = p.detach().clone()
+        for k, v in optimizer.state.get(p, {}).items():
+            tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
+    store.put_tensors(CHECKPOINT_KIND, key, tensors, meta={"step": step, "losses": step_losses})
+
+
+def _load_checkpoint(store: Store, key: str, named: dict, optimizer, generator) -> list[float]:
+    tensors = store.get_tensors(CHECKPOINT_KIND, key)
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(tensors[f"lora/{name}"])
+            state = {k.rsplit("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"adam/{name}/")}
+            if state:
+                optimizer.state[p] = state
+    generator.set_state(tensors["rng/generator"])
+    torch.set_rng_state(tensors["rng/torch"])
+    return list(store.meta(CHECKPOINT_KIND, key)["losses"])
+
+
+def logged_losses(step_losses: list[float], every: int) -> list[dict]:
+    """Mean loss per window of `every` steps (and the last, partial one), as the log prints them."""
+    return [{"step": min(i + every, len(step_losses)), "loss": sum(w) / len(w)}
+            for i in range(0, len(step_losses), every) if (w := step_losses[i:i + every])]
+
+
+def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
+               trajectory: str) -> tuple[Path, list, int]:
+    """The training loop, top to bottom. Returns (LoRA file, per-step losses, step it continued from)."""
     tc = cfg["train"]
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
@@ -91,7 +180,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
                                     target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
-    params = [p for p in denoiser.parameters() if p.requires_grad]
+    named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
+    params = list(named.values())
     for p in params:  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()
     if tc["optimizer"] != "adamw":
@@ -100,44 +190,65 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     lr_schedule = get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
-    denoiser.train()
 
-    losses, window = [], []
-    batches = _batches(len(names), min(tc["batch_size"], len(names)), generator)
+    step_losses, start = [], 0
+    if tc["resume"] == "auto":
+        start = latest_checkpoint(store, trajectory, tc["max_steps"])
+    if start:
+        step_losses = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, generator)
+        with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(start):
+                lr_schedule.step()
+        log.info("train: continuing from the stored checkpoint at step %d (steps %d-%d to go)",
+                 start, start + 1, tc["max_steps"])
+
+    denoiser.train()
+    batch_size, window = min(tc["batch_size"], len(names)), []
     log.info("train: %d steps, %d images, batch %d, rank %d, lr %g, %d trainable parameters",
              tc["max_steps"], len(names), tc["batch_size"], tc["rank"], tc["lr"], sum(p.numel() for p in params))
-    for step in range(1, tc["max_steps"] + 1):
-        idx = next(batches)
+    for step in range(start + 1, tc["max_steps"] + 1):
+        idx = batch_at(step, len(names), batch_size, int(tc["seed"]))
         batch_latents = torch.stack([latents[i] for i in idx]).to(adapter.dtype)
-        loss = adapter.training_loss(denoiser, batch_latents, _stack([texts[i] for i in idx]), tc, scheduler, generator)
+        text = _stack([texts.get(i, step, generator) for i in idx])
+        loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, generator)
         loss.backward()
         if tc["max_grad_norm"] > 0:
             torch.nn.utils.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        window.append(loss.item())
+        step_losses.append(loss.item())
+        window.append(step_losses[-1])
         if step % tc["log_every"] == 0 or step == tc["max_steps"]:
-            mean = sum(window) / len(window)
-            losses.append({"step": step, "loss": mean})
-            log.info("train: step %4d/%d  loss %.4f  lr %.2e", step, tc["max_steps"], mean, lr_schedule.get_last_lr()[0])
+            log.info("train: step %4d/%d  loss %.4f  lr %.2e", step, tc["max_steps"], sum(window) / len(window),
+                     lr_schedule.get_last_lr()[0])
             window = []
+        every = tc["save_every_n_steps"]
+        if (every and step % every == 0) or step == tc["max_steps"]:
+            _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, generator, step_losses)
 
     state = get_peft_model_state_dict(denoiser)
-    return adapter.save_lora(state, out_dir, denoiser.peft_config["default"].to_dict()), losses
+    return adapter.save_lora(state, out_dir, denoiser.peft_config["default"].to_dict()), step_losses, start
 
 
 def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict) -> dict:
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
     key = key_of(node_inputs)
     status = check_items(store, KIND, [key])
+    resumed = None
     if status.missing:
         with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
-            lora_file, losses = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp))
-            store.put_file(KIND, key, lora_file, meta={"losses": losses, "family": plan["family"]})
+            lora_file, step_losses, start = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp),
+                                                      trajectory_key(node_inputs, cfg["train"]))
+            canonicalize_safetensors(lora_file)  # same config + data -> the same bytes
+            store.put_file(KIND, key, lora_file, meta={"step_losses": step_losses, "family": plan["family"],
+                                                       "continued_from_step": start})
+        resumed = start or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
-                       losses=meta.get("losses", []))
+                       losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
+                       continued_from_step=resumed)
 
 
 def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:

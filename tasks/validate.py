@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tasks import augment
 from tasks.config import ConfigError
 from tasks.dataset import validate_dataset
 from tasks.hashing import digest_file, key_of
@@ -21,7 +22,8 @@ log = logging.getLogger("loraflow")
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
             ("constant", "constant_with_warmup", "linear", "cosine"), ("train", "weighting_scheme"):
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
-            ("export", "format"): ("kohya", "diffusers", "both")}
+            ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
+            ("train", "resume"): ("auto", "never")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
@@ -39,12 +41,30 @@ def check_config(cfg: dict) -> list[str]:
     return errors
 
 
+def check_sizes(cfg: dict, multiple: int) -> list[str]:
+    errors = []
+    for key in ("width", "height"):
+        value = cfg["sample"][key]
+        if value is not None and (value <= 0 or value % multiple):
+            lo, hi = max(multiple, value // multiple * multiple), (max(value, 0) // multiple + 1) * multiple
+            errors.append(f"sample.{key}={value}: must be a multiple of {multiple} for model.family="
+                          f"{cfg['model']['family']}; use sample.{key}={lo} or {hi}")
+    return errors
+
+
 def run(cfg: dict, store: Store) -> dict:
     errors = check_config(cfg)
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     family = cfg["model"]["family"]
     adapter_cls = adapter_class(family)
+    errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
+    tc = cfg["text"]
+    if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
+        why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"
+        errors.append(f"text.offload_encoders=true with {why}: {why.split('=')[0]} encodes captions in the train node, "
+                      f"which needs the text encoders loaded; drop one of the two (with text.cache=true and "
+                      f"text.fresh_draws=false, augmentations use cached variants: text.variants=N)")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
 
     items = validate_dataset(cfg["data"]["dir"], cfg["data"]["missing_caption"], cfg["data"]["caption_extension"])
@@ -64,6 +84,12 @@ def run(cfg: dict, store: Store) -> dict:
                              "height": height, "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg,
                              "seed": p.seed})
 
+    aug = augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
+    mode = augment.text_mode(cfg["text"], aug)
+    augmentation = {"mode": mode, "active": augment.active(aug), "description": augment.describe(aug, mode)}
+    if augmentation["active"]:
+        log.info(augmentation["description"])
+
     model_dir = resolve_model(cfg["model"], store)
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
@@ -73,7 +99,7 @@ def run(cfg: dict, store: Store) -> dict:
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(plan_items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
-            "prompts": plan_prompts, "warnings": warnings}
+            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation}
 
 
 def inputs(plan: dict) -> dict:

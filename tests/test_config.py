@@ -19,9 +19,10 @@ def test_defaults_compose_with_demo_paths():
 
 
 def _error_text(overrides):
-    with pytest.raises(ConfigCompositionException) as e:
+    with pytest.raises(ConfigError) as e:  # deployments get loraflow's error type, not Hydra's
         compose("train", overrides)
-    return f"{e.value} {e.value.__cause__}"
+    assert isinstance(e.value.__cause__, ConfigCompositionException)
+    return str(e.value)
 
 
 def test_misspelt_key_fails_naming_it():
@@ -50,3 +51,14 @@ def test_resolution_as_pixels_or_area():
     assert resolve_size(1.0, "area", 8, aspect=3 / 2) == (1256, 840)  # SDXL/SD1.5 snap to 8
     with pytest.raises(ConfigError, match="data.resolution=70.*64.*80"):
         resolve_size(70, "pixels", 16)
+
+
+@pytest.mark.parametrize("name,family", [("flux_dev", "flux"), ("sd3_medium", "sd3"), ("sdxl_base", "sdxl"),
+                                         ("sd15", "sd15"), ("tiny_sd3", "sd3"), ("tiny_sdxl", "sdxl"),
+                                         ("tiny_sd15", "sd15")])
+def test_model_configs_compose(name, family):
+    cfg, _ = compose("train", [f"model={name}", "model.config=/somewhere/base"])
+    plain = resolve_paths(cfg)
+    assert plain["model"]["family"] == family and plain["model"]["name"] == name
+    assert (plain["model"]["path"] is None) == name.startswith("tiny_")
+    assert check_config(plain) == []

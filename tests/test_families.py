@@ -53,24 +53,55 @@ def test_one_caption(trained):
     assert counts(ws.run(ws.model)) == (0, 1, "ran", 3)
 
 
-def test_lora_loads_into_the_family_pipeline_and_changes_output(trained):
+# diffusers 0.42.1 cannot read these two kohya files; tests/test_export.py checks them by merging the
+# kohya deltas the way ComfyUI does (and Flux's layout through diffusers' converter at FLUX.1 widths).
+_DIFFUSERS_CANNOT = {
+    ("sd3", "kohya"): "StableDiffusion3Pipeline.lora_state_dict converts no kohya/SAI layout",
+    ("flux", "kohya"): "diffusers' BFL converter hard-codes FLUX.1's 3072 width when splitting single-block linear1",
+}
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
+def test_lora_loads_into_the_family_pipeline_and_changes_output(trained, fmt):
     from diffusers import DiffusionPipeline
 
-    _, ws = trained
+    family, ws = trained
+    files = ws.first["artifacts"]["lora_files"]
+    assert set(files) == {"diffusers", "kohya"}  # export.format=both is the default
+    assert ws.first["artifacts"]["lora"] == files["diffusers"]
+    if (family, fmt) in _DIFFUSERS_CANNOT:
+        pytest.xfail(_DIFFUSERS_CANNOT[family, fmt])
     base = ws.first["artifacts"]["base_model"]
-    lora_dir = Path(ws.first["artifacts"]["lora"]).parent
 
-    def render(with_lora: bool):
+    def render(lora_file: str | None):
         pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
         pipe.set_progress_bar_config(disable=True)
-        if with_lora:
-            pipe.load_lora_weights(str(lora_dir))
+        if lora_file:
+            pipe.load_lora_weights(lora_file)
         out = pipe("a red circle on a blue background", num_inference_steps=2, height=64, width=64,
                    generator=torch.Generator("cpu").manual_seed(0), output_type="pt",
                    **({"max_sequence_length": 32} if "max_sequence_length" in pipe.__call__.__code__.co_varnames else {}))
         return out.images
 
-    assert not torch.allclose(render(False), render(True))
+    assert not torch.allclose(render(None), render(files[fmt]), atol=1e-4)
+
+
+def test_export_format_selects_the_files(trained):
+    from safetensors import safe_open
+
+    family, ws = trained
+    for fmt in ("kohya", "diffusers"):
+        r = ws.run(ws.model, f"export.format={fmt}")
+        assert list(r["artifacts"]["lora_files"]) == [fmt] and r["artifacts"]["lora"] == r["artifacts"]["lora_files"][fmt]
+        assert r["nodes"]["train"]["status"] == "cached"  # the format is not a training input
+    with safe_open(r["artifacts"]["lora_files"]["diffusers"], "pt") as f:
+        assert all(k.startswith(("transformer.", "unet.")) for k in f.keys())
+    kohya = ws.first["artifacts"]["lora_files"]["kohya"]
+    with safe_open(kohya, "pt") as f:
+        meta = f.metadata()
+        assert all(k.startswith("lora_unet_") for k in f.keys())
+    assert meta["ss_network_dim"] == "8" and meta["ss_steps"] == "12" and meta["loraflow_base_model"]
+    assert {"ss_dataset_hash", "ss_config_hash", "ss_network_alpha", "ss_base_model_version"} <= set(meta)
 
 
 def test_text_cache_off_gives_the_same_losses(trained):

@@ -122,3 +122,26 @@ def test_records_round_trip(tmp_path):
     assert store.read_record("train") is None
     store.write_record("train", {"inputs": {"a": 1}})
     assert store.read_record("train") == {"inputs": {"a": 1}}
+
+
+def test_canonical_safetensors_header(tmp_path):
+    """safetensors writes metadata in hash order; canonicalizing gives the same bytes for the same content."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from tasks.store import canonicalize_safetensors
+
+    tensors = {"b": torch.arange(5.0), "a": torch.ones(3, 2)}
+    meta = {f"k{i}": str(i) for i in range(20)}
+    files = []
+    for i, order in enumerate((meta, dict(reversed(list(meta.items()))))):
+        p = tmp_path / f"{i}.safetensors"
+        save_file(tensors, str(p), metadata=order)
+        canonicalize_safetensors(p)
+        files.append(p)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    loaded = load_file(files[0])
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    with safe_open(str(files[0]), "pt") as f:
+        assert f.metadata() == meta

@@ -4,12 +4,15 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from tasks.config import ConfigError
 from tasks.hashing import digest_tree, key_of
 from tasks.models.base import FamilyAdapter
 from tasks.store import Store
 
 # Bump when the tiny builder changes what it writes: the tiny model's store key includes it.
 TINY_BUILDER_VERSION = "1"
+# Bump when converting a single-file checkpoint changes what lands in the store.
+SINGLE_FILE_VERSION = "1"
 
 
 # family -> (adapter class, tiny builder), as "module:name" so a family's heavy imports load only when used.
@@ -28,7 +31,7 @@ def _load(ref: str):
 
 def adapter_class(family: str) -> type[FamilyAdapter]:
     if family not in FAMILIES:
-        raise ValueError(f"model.family={family!r} is not supported; choose one of {sorted(FAMILIES)}")
+        raise ConfigError(f"model.family={family!r} is not supported; choose one of {sorted(FAMILIES)}")
     return _load(FAMILIES[family][0])
 
 
@@ -41,8 +44,9 @@ def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
 
 
 def resolve_model(model_cfg: dict, store: Store) -> Path:
-    """The folder of the model in diffusers layout: a local folder, a hub snapshot, or the tiny model
-    built from config (once; then it is a store entry like any other artifact)."""
+    """The folder of the model in diffusers layout: a local folder, a hub snapshot, a single-file checkpoint
+    converted once with diffusers' from_single_file, or the tiny model built from config (once). Built and
+    converted folders are store entries like any other artifact."""
     path = model_cfg.get("path")
     if not path:
         family, seed, arch = model_cfg["family"], int(model_cfg["seed"]), dict(model_cfg.get("arch") or {})
@@ -50,21 +54,46 @@ def resolve_model(model_cfg: dict, store: Store) -> Path:
         if not store.valid("models", key):
             store.put("models", key, "", lambda p: _build_tiny(family, p, seed, arch), meta={"tiny": family})
         return store.get_path("models", key)
+    if Path(path).expanduser().is_file():
+        return _from_single_file(model_cfg, Path(path).expanduser(), store)
+    return _diffusers_folder(path, "model.path")
+
+
+def _diffusers_folder(path: str, key: str) -> Path:
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "model_index.json").is_file():
-            raise FileNotFoundError(f"model.path={path}: not a diffusers folder (no model_index.json)")
+            raise FileNotFoundError(f"{key}={path}: not a diffusers folder (no model_index.json)")
         return local
-    if local.exists():
-        raise ValueError(f"model.path={path}: single-file checkpoints are not supported yet; "
-                         "convert it to a diffusers folder (diffusers' from_single_file + save_pretrained)")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(path))
     except Exception as e:
-        raise FileNotFoundError(f"model.path={path}: not a local folder and not loadable from the hub "
+        raise FileNotFoundError(f"{key}={path}: not a local folder and not loadable from the hub "
                                 f"(offline or unknown id): {e}") from e
+
+
+def _from_single_file(model_cfg: dict, file: Path, store: Store) -> Path:
+    """A .safetensors checkpoint (original or diffusers key layout) -> a diffusers folder in the store, keyed
+    by the file's digest and the identity of the config it is read with; converted once."""
+    if file.suffix != ".safetensors":
+        # .ckpt/.pt/.bin are pickles: loading one can run arbitrary code.
+        raise ConfigError(f"model.path={file}: only .safetensors single files are loaded (pickle formats can "
+                          "run code); convert it first, e.g. with safetensors' convert script")
+    if not model_cfg.get("config"):
+        raise ConfigError(f"model.path={file} is a single file: set model.config= a diffusers folder or hub id of "
+                          "the same architecture (it supplies the configs, tokenizers and any component the file "
+                          "lacks), e.g. model.config=black-forest-labs/FLUX.1-dev")
+    config_dir = _diffusers_folder(model_cfg["config"], "model.config")
+    family, dtype = model_cfg["family"], model_cfg["dtype"]
+    key = key_of({"single_file": store.file_digest(file), "config": digest_tree(config_dir, digest=store.file_digest),
+                  "family": family, "dtype": dtype, "code": SINGLE_FILE_VERSION})
+    if not store.valid("models", key):
+        adapter = adapter_class(family)(config_dir, dtype)
+        store.put("models", key, "", lambda p: adapter.convert_single_file(file, p),
+                  meta={"single_file": str(file), "config": str(config_dir)})
+    return store.get_path("models", key)
 
 
 def component_ids(model_dir: Path, names: tuple[str, ...], store: Store) -> dict[str, str]:

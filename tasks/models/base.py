@@ -2,12 +2,31 @@
 (components, text encoders, latent scaling, loss target, LoRA names, sampling) live in its module."""
 from __future__ import annotations
 
+import os
+import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # follows the hub cache's symlinks; no second copy of multi-GB encoders
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _check_loaded(file: Path, modules: dict[str, torch.nn.Module]) -> None:
+    """diffusers loads single files non-strictly: weights the file lacks stay on the meta device."""
+    from tasks.config import ConfigError
+
+    missing = [f"{name}.{p}" for name, m in modules.items() for p, t in m.state_dict().items() if t.is_meta]
+    if missing:
+        raise ConfigError(f"model.path={file}: the file lacks {len(missing)} weights of the architecture in "
+                          f"model.config (e.g. {', '.join(missing[:3])}); is model.config the right base model?")
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +46,38 @@ class FamilyAdapter(ABC):
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.max_sequence_length = max_sequence_length
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def make_generator(self, pipe, seed: int, generator_device: str) -> torch.Generator:
+        """The sampler's generator lives on the device of the tensors it fills. "cpu" (default): diffusers'
+        randn_tensor fills CPU tensors and moves them, so a seed gives the same start noise on any machine;
+        "device": it fills tensors on the pipeline's device (faster on GPU, machine-dependent)."""
+        device = torch.device("cpu") if generator_device == "cpu" else pipe._execution_device
+        return torch.Generator(device).manual_seed(seed)
+
+    # Single-file checkpoints: "pipeline" files hold every component (SD1.5/SDXL, A1111/civitai style);
+    # "denoiser" files hold only the transformer (flux1-dev.safetensors), the rest comes from model_dir.
+    single_file_holds = "pipeline"
+    pipeline_cls: type
+    denoiser_cls: type
+    denoiser_subfolder: str
+
+    def convert_single_file(self, file: Path, out_dir: Path) -> None:
+        """Read a single-file checkpoint with diffusers' from_single_file (configs from self.model_dir, no
+        network) and save it as a diffusers folder at out_dir."""
+        local = dict(config=str(self.model_dir), dtype=self.dtype, local_files_only=True)
+        if self.single_file_holds == "denoiser":
+            denoiser = self.denoiser_cls.from_single_file(str(file), subfolder=self.denoiser_subfolder, **local)
+            _check_loaded(file, {self.denoiser_subfolder: denoiser})
+            # The other components are the config's files, linked byte for byte: their identities (and so
+            # the cached latents and text) stay those of the base model.
+            shutil.copytree(self.model_dir, out_dir, dirs_exist_ok=True, copy_function=_link_or_copy,
+                            ignore=lambda d, names: [self.denoiser_subfolder] if Path(d) == self.model_dir else [])
+            denoiser.save_pretrained(Path(out_dir) / self.denoiser_subfolder, safe_serialization=True)
+        else:
+            pipe = self.pipeline_cls.from_single_file(str(file), **local)
+            _check_loaded(file, {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)})
+            pipe.save_pretrained(out_dir, safe_serialization=True)
 
     @abstractmethod
     def load_vae(self) -> torch.nn.Module: ...
@@ -68,7 +119,7 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def sample(self, pipe, prompt: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,
                empty: dict[str, torch.Tensor], width: int, height: int, steps: int, guidance: float,
-               true_cfg: float, seed: int) -> Image.Image:
+               true_cfg: float, seed: int, generator_device: str = "cpu") -> Image.Image:
         """Render one image from cached text tensors (the text encoders are not loaded).
 
         `negative` is the prompt's own negative (kohya --n) or None; `empty` is the cached empty prompt,

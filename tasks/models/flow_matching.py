@@ -9,13 +9,15 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generator: 
     """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density, all randomness
     from `generator` so a seed fixes the whole run."""
     b = latents.shape[0]
-    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
+    # The CPU generator fills CPU tensors, which then move to the latents' device: same draws on any machine.
+    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
     u = compute_density_for_timestep_sampling(
         weighting_scheme=train_cfg["weighting_scheme"], batch_size=b, logit_mean=train_cfg["logit_mean"],
         logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=generator)
     indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
-    sigmas = scheduler.sigmas[indices].to(latents.dtype).view(b, 1, 1, 1)
-    return (1.0 - sigmas) * latents + sigmas * noise, noise, scheduler.timesteps[indices], sigmas
+    sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, 1, 1, 1)
+    timesteps = scheduler.timesteps[indices].to(latents.device)
+    return (1.0 - sigmas) * latents + sigmas * noise, noise, timesteps, sigmas
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:

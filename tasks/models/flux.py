@@ -17,6 +17,8 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tok
 
 class FluxAdapter(FamilyAdapter):
     family = "flux"
+    pipeline_cls, denoiser_cls, denoiser_subfolder = FluxPipeline, FluxTransformer2DModel, "transformer"
+    single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     denoiser_components = ("transformer",)
@@ -88,17 +90,17 @@ class FluxAdapter(FamilyAdapter):
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return pipe.to(self.device)
 
     @torch.no_grad()
-    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Flux-dev's guidance is distilled (`guidance`); real CFG only when the prompt has a negative.
         kwargs = {}
         if negative is not None:
             kwargs = dict(negative_prompt_embeds=negative["prompt_embeds"][None].to(self.dtype),
                           negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(self.dtype),
                           true_cfg_scale=true_cfg)
-        generator = torch.Generator("cpu").manual_seed(seed)
+        generator = self.make_generator(pipe, seed, generator_device)
         return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
                     pooled_prompt_embeds=prompt["pooled_prompt_embeds"][None].to(self.dtype),
                     width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,

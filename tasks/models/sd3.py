@@ -19,6 +19,8 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None
 
 class SD3Adapter(FamilyAdapter):
     family = "sd3"
+    pipeline_cls, denoiser_cls, denoiser_subfolder = StableDiffusion3Pipeline, SD3Transformer2DModel, "transformer"
+    single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
     denoiser_components = ("transformer",)
@@ -93,15 +95,15 @@ class SD3Adapter(FamilyAdapter):
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return pipe.to(self.device)
 
     @torch.no_grad()
-    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (SD3 has no distilled guidance, so `true_cfg` is unused). The unconditional
         # input comes from the cache -- the prompt's negative, else the empty prompt -- embeds and pooled
         # both: with no text encoders loaded the pipeline cannot encode "" itself.
         uncond = negative if negative is not None else empty
-        generator = torch.Generator("cpu").manual_seed(seed)
+        generator = self.make_generator(pipe, seed, generator_device)
         return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
                     pooled_prompt_embeds=prompt["pooled_prompt_embeds"][None].to(self.dtype),
                     negative_prompt_embeds=uncond["prompt_embeds"][None].to(self.dtype),

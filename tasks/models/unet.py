@@ -19,6 +19,7 @@ VAE_SCALE = 8  # pixels per latent (4 VAE down blocks)
 
 
 class UNetAdapter(FamilyAdapter):
+    denoiser_cls, denoiser_subfolder = UNet2DConditionModel, "unet"
     pipeline_cls: type  # the family's diffusers pipeline: loading, text encoding, LoRA file format, sampling
     # Cached text tensors the UNet and the pipeline take (each also as `negative_<name>` for CFG).
     embed_names: tuple[str, ...] = ("prompt_embeds",)
@@ -75,8 +76,9 @@ class UNetAdapter(FamilyAdapter):
 
     def training_loss(self, unet, latents, text, train_cfg, scheduler, generator):
         # All randomness from `generator`: a seed fixes the whole run.
-        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=generator)
+        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],),
+                                  generator=generator).to(latents.device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         prediction_type = scheduler.config.prediction_type
         if prediction_type == "epsilon":
@@ -105,7 +107,7 @@ class UNetAdapter(FamilyAdapter):
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return pipe.to(self.device)
 
     def unconditional(self, pipe, negative, empty):
         """The CFG negative: the prompt's own, else the empty prompt (what the pipeline encodes for
@@ -113,12 +115,12 @@ class UNetAdapter(FamilyAdapter):
         return negative if negative is not None else empty
 
     @torch.no_grad()
-    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG with `guidance`; true_cfg is Flux's and unused here.
         kwargs = {name: prompt[name][None].to(self.dtype) for name in self.embed_names}
         uncond = self.unconditional(pipe, negative, empty)
         if uncond is not None:
             kwargs.update({f"negative_{name}": uncond[name][None].to(self.dtype) for name in self.embed_names})
-        generator = torch.Generator("cpu").manual_seed(seed)
+        generator = self.make_generator(pipe, seed, generator_device)
         return pipe(width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
                     generator=generator, output_type="pil", **kwargs).images[0]

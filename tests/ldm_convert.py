@@ -1,0 +1,219 @@
+"""Test helper: diffusers pipeline folder -> original-layout (LDM / SGM) single-file state dict.
+
+The reverse of diffusers' `loaders/single_file_utils.py` converters (convert_ldm_unet_checkpoint,
+convert_ldm_vae_checkpoint, convert_ldm_clip_checkpoint, convert_open_clip_checkpoint), so tests can
+make the kind of file civitai / A1111 users have (`model.diffusion_model.*`, `first_stage_model.*`,
+`cond_stage_model.transformer.text_model.*`, SDXL `conditioner.embedders.{0,1}.*`) from a tiny
+diffusers folder. Modelled on diffusers' scripts/convert_diffusers_to_original_stable_diffusion.py and
+convert_diffusers_to_original_sdxl.py, but the block index arithmetic is read from the folder's
+configs instead of being hard-coded to layers_per_block=2 and 4 levels.
+
+Every diffusers tensor maps to exactly one original key (the CLIP-G q/k/v triples to one
+in_proj), and the functions raise if any tensor is left over, so a round trip through
+`from_single_file(file, config=folder)` can be checked for exact equality.
+
+    from safetensors.torch import save_file
+    save_file(to_ldm_sd15(folder), "model.safetensors")
+    StableDiffusionPipeline.from_single_file("model.safetensors", config=str(folder))
+
+Caveat for SDXL: diffusers picks the CLIP-L (`conditioner.embedders.0`) weights for ANY CLIP text
+model whose hidden size equals CLIP-L's (it compares position-embedding widths), so text_encoder_2
+must be wider than text_encoder, as in the real model (768 vs 1280); `to_ldm_sdxl` refuses otherwise.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+SD15_CLIP_PREFIX = "cond_stage_model.transformer.text_model."
+SDXL_CLIP_L_PREFIX = "conditioner.embedders.0.transformer.text_model."
+SDXL_CLIP_G_PREFIX = "conditioner.embedders.1.model."
+
+
+def _component(folder: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    config = json.loads((folder / name / "config.json").read_text())
+    weights = [p for p in (folder / name).glob("*.safetensors")]
+    if len(weights) != 1:
+        raise ValueError(f"{folder / name}: expected one .safetensors file, found {[p.name for p in weights]}")
+    return config, load_file(weights[0])
+
+
+class _Mapper:
+    """Moves tensors from a diffusers state dict to original keys; `done()` insists every one moved."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], what: str):
+        self.sd, self.what, self.used, self.out = sd, what, set(), {}
+
+    def move(self, src: str, dst: str, transform=None) -> None:
+        tensor = self.sd[src]
+        self.used.add(src)
+        self.out[dst] = (transform(tensor) if transform else tensor).contiguous()
+
+    def move_prefix(self, src: str, dst: str, renames: tuple[tuple[str, str], ...] = ()) -> None:
+        """All keys starting with `src` (a module path ending in '.'), re-rooted at `dst`, with in-key renames."""
+        keys = [k for k in self.sd if k.startswith(src)]
+        if not keys:
+            raise KeyError(f"{self.what}: no keys under {src!r}")
+        for key in keys:
+            rest = key[len(src):]
+            for old, new in renames:
+                rest = rest.replace(old, new)
+            self.move(key, dst + rest)
+
+    def done(self, prefix: str) -> dict[str, torch.Tensor]:
+        left = sorted(set(self.sd) - self.used)
+        if left:
+            raise ValueError(f"{self.what}: tensors with no original-layout key: {left}")
+        return {prefix + k: v for k, v in self.out.items()}
+
+
+# diffusers ResnetBlock2D -> ldm ResBlock (UNet)
+_UNET_RESNET = (("norm1.", "in_layers.0."), ("conv1.", "in_layers.2."), ("time_emb_proj.", "emb_layers.1."),
+                ("norm2.", "out_layers.0."), ("conv2.", "out_layers.3."), ("conv_shortcut.", "skip_connection."))
+# diffusers ResnetBlock2D -> ldm ResnetBlock (VAE): same names but the shortcut
+_VAE_RESNET = (("conv_shortcut.", "nin_shortcut."),)
+
+
+def _unet(folder: Path) -> dict[str, torch.Tensor]:
+    config, sd = _component(folder, "unet")
+    m = _Mapper(sd, "unet")
+    for d, o in (("time_embedding.linear_1", "time_embed.0"), ("time_embedding.linear_2", "time_embed.2"),
+                 ("conv_in", "input_blocks.0.0"), ("conv_norm_out", "out.0"), ("conv_out", "out.2")):
+        for p in ("weight", "bias"):
+            m.move(f"{d}.{p}", f"{o}.{p}")
+    if config.get("addition_embed_type") == "text_time":  # SDXL: pooled text + size/crop embedding
+        for d, o in (("add_embedding.linear_1", "label_emb.0.0"), ("add_embedding.linear_2", "label_emb.0.2")):
+            for p in ("weight", "bias"):
+                m.move(f"{d}.{p}", f"{o}.{p}")
+    elif config.get("addition_embed_type") or config.get("class_embed_type"):
+        raise NotImplementedError("unet with class/addition embeddings other than SDXL's text_time")
+
+    layers, n = config["layers_per_block"], len(config["block_out_channels"])
+    if not isinstance(layers, int):
+        raise NotImplementedError("per-block layers_per_block")
+    # input_blocks: 0 = conv_in, then per level `layers` (resnet[, attention]) + one downsampler (not the last level)
+    for b in range(n):
+        for j in range(layers):
+            i = 1 + b * (layers + 1) + j
+            m.move_prefix(f"down_blocks.{b}.resnets.{j}.", f"input_blocks.{i}.0.", _UNET_RESNET)
+            if any(k.startswith(f"down_blocks.{b}.attentions.{j}.") for k in sd):
+                m.move_prefix(f"down_blocks.{b}.attentions.{j}.", f"input_blocks.{i}.1.")
+        if b < n - 1:
+            m.move_prefix(f"down_blocks.{b}.downsamplers.0.conv.",
+                          f"input_blocks.{1 + b * (layers + 1) + layers}.0.op.")
+    m.move_prefix("mid_block.resnets.0.", "middle_block.0.", _UNET_RESNET)
+    m.move_prefix("mid_block.attentions.0.", "middle_block.1.")
+    m.move_prefix("mid_block.resnets.1.", "middle_block.2.", _UNET_RESNET)
+    # output_blocks: per level `layers + 1` (resnet[, attention]), the level's last one also holds the upsampler
+    for b in range(n):
+        for j in range(layers + 1):
+            i = b * (layers + 1) + j
+            m.move_prefix(f"up_blocks.{b}.resnets.{j}.", f"output_blocks.{i}.0.", _UNET_RESNET)
+            has_attention = any(k.startswith(f"up_blocks.{b}.attentions.{j}.") for k in sd)
+            if has_attention:
+                m.move_prefix(f"up_blocks.{b}.attentions.{j}.", f"output_blocks.{i}.1.")
+        if b < n - 1:
+            m.move_prefix(f"up_blocks.{b}.upsamplers.0.conv.",
+                          f"output_blocks.{b * (layers + 1) + layers}.{2 if has_attention else 1}.conv.")
+    # Transformer2DModel / BasicTransformerBlock keep their names in the original layout (SpatialTransformer).
+    return m.done(UNET_PREFIX)
+
+
+def _vae(folder: Path) -> dict[str, torch.Tensor]:
+    config, sd = _component(folder, "vae")
+    m = _Mapper(sd, "vae")
+    for d, o in (("conv_in", "conv_in"), ("conv_out", "conv_out"), ("conv_norm_out", "norm_out")):
+        for side in ("encoder", "decoder"):
+            for p in ("weight", "bias"):
+                m.move(f"{side}.{d}.{p}", f"{side}.{o}.{p}")
+    for d in ("quant_conv", "post_quant_conv"):
+        if f"{d}.weight" in sd:
+            for p in ("weight", "bias"):
+                m.move(f"{d}.{p}", f"{d}.{p}")
+    n, layers = len(config["down_block_types"]), config["layers_per_block"]
+    for i in range(n):
+        for j in range(layers):
+            m.move_prefix(f"encoder.down_blocks.{i}.resnets.{j}.", f"encoder.down.{i}.block.{j}.", _VAE_RESNET)
+        if i < n - 1:
+            m.move_prefix(f"encoder.down_blocks.{i}.downsamplers.0.conv.", f"encoder.down.{i}.downsample.conv.")
+    for i in range(n):  # the decoder's up_blocks run deepest-first; ldm numbers `up` by resolution
+        for j in range(layers + 1):
+            m.move_prefix(f"decoder.up_blocks.{i}.resnets.{j}.", f"decoder.up.{n - 1 - i}.block.{j}.", _VAE_RESNET)
+        if i < n - 1:
+            m.move_prefix(f"decoder.up_blocks.{i}.upsamplers.0.conv.", f"decoder.up.{n - 1 - i}.upsample.conv.")
+    for side in ("encoder", "decoder"):
+        m.move_prefix(f"{side}.mid_block.resnets.0.", f"{side}.mid.block_1.", _VAE_RESNET)
+        m.move_prefix(f"{side}.mid_block.resnets.1.", f"{side}.mid.block_2.", _VAE_RESNET)
+        a, o = f"{side}.mid_block.attentions.0.", f"{side}.mid.attn_1."
+        for d, k in (("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out")):
+            # ldm's AttnBlock uses 1x1 convs: [C, C] linear weights become [C, C, 1, 1]
+            m.move(f"{a}{d}.weight", f"{o}{k}.weight", (lambda t: t[:, :, None, None]) if k != "norm" else None)
+            m.move(f"{a}{d}.bias", f"{o}{k}.bias")
+    return m.done(VAE_PREFIX)
+
+
+def _clip_text_model(folder: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """transformers >= 5.6 saves CLIPTextModel without the `text_model.` level (CLIPTextModelWithProjection
+    keeps it); return keys relative to `text_model` either way, plus `text_projection.weight` if any."""
+    config, sd = _component(folder, name)
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("text_model."):
+            k = k[len("text_model."):]
+        elif not k.startswith(("embeddings.", "encoder.", "final_layer_norm.", "text_projection.")):
+            raise ValueError(f"{name}: unexpected CLIP key {k}")
+        out[k] = v
+    return config, out
+
+
+def _clip_l(folder: Path, name: str, prefix: str) -> dict[str, torch.Tensor]:
+    _, sd = _clip_text_model(folder, name)
+    if "text_projection.weight" in sd:
+        raise ValueError(f"{name}: the original layout has no place for CLIP-L's text_projection")
+    return {prefix + k: v.contiguous() for k, v in sd.items()}
+
+
+def _open_clip(folder: Path, name: str, prefix: str) -> dict[str, torch.Tensor]:
+    """CLIPTextModelWithProjection -> OpenCLIP text tower (`transformer.resblocks.N`, fused in_proj)."""
+    config, sd = _clip_text_model(folder, name)
+    m = _Mapper(sd, name)
+    m.move("embeddings.position_embedding.weight", "positional_embedding")
+    m.move("embeddings.token_embedding.weight", "token_embedding.weight")
+    m.move("final_layer_norm.weight", "ln_final.weight")
+    m.move("final_layer_norm.bias", "ln_final.bias")
+    m.move("text_projection.weight", "text_projection", lambda t: t.T)  # open_clip: x @ text_projection
+    for i in range(config["num_hidden_layers"]):
+        d, o = f"encoder.layers.{i}.", f"transformer.resblocks.{i}."
+        for p in ("weight", "bias"):
+            qkv = [f"{d}self_attn.{x}_proj.{p}" for x in "qkv"]
+            m.out[f"{o}attn.in_proj_{p}"] = torch.cat([sd[k] for k in qkv]).contiguous()
+            m.used.update(qkv)
+            m.move(f"{d}self_attn.out_proj.{p}", f"{o}attn.out_proj.{p}")
+            m.move(f"{d}layer_norm1.{p}", f"{o}ln_1.{p}")
+            m.move(f"{d}layer_norm2.{p}", f"{o}ln_2.{p}")
+            m.move(f"{d}mlp.fc1.{p}", f"{o}mlp.c_fc.{p}")
+            m.move(f"{d}mlp.fc2.{p}", f"{o}mlp.c_proj.{p}")
+    return m.done(prefix)
+
+
+def to_ldm_sd15(pipeline_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A1111 / CompVis SD1.x single-file state dict (UNet + VAE + CLIP-L) of a diffusers folder."""
+    folder = Path(pipeline_dir)
+    return {**_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SD15_CLIP_PREFIX)}
+
+
+def to_ldm_sdxl(pipeline_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Stability SGM SDXL single-file state dict (UNet + VAE + CLIP-L + OpenCLIP-G) of a diffusers folder."""
+    folder = Path(pipeline_dir)
+    width = [json.loads((folder / n / "config.json").read_text())["hidden_size"]
+             for n in ("text_encoder", "text_encoder_2")]
+    if width[0] == width[1]:
+        raise ValueError(f"text_encoder and text_encoder_2 are both {width[0]} wide: diffusers' from_single_file "
+                         "would load CLIP-L's weights into text_encoder_2 (build with a different clip_2_hidden_size)")
+    return {**_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SDXL_CLIP_L_PREFIX),
+            **_open_clip(folder, "text_encoder_2", SDXL_CLIP_G_PREFIX)}
