@@ -30,6 +30,8 @@ class ModelConfig:
     seed: int = 0
     arch: Dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
+    # float8_e4m3fn | float8_e5m2: the denoiser's base weights stored in fp8 while training (layerwise casting)
+    storage_dtype: Optional[str] = None
     max_sequence_length: int = 32
 
 
@@ -70,6 +72,8 @@ class TrainConfig:
     guidance: float = 1.0  # Flux-dev's distilled guidance value fed while training
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs CUDA), through accelerate
     save_every_n_steps: int = 0  # 0: a checkpoint at the last step only
     # auto: continue from the latest stored checkpoint of the same trajectory (an interrupted run, or a
     # run whose max_steps grew); never: always start from step 0
@@ -86,6 +90,7 @@ class SampleConfig:
     width: Optional[int] = None  # None: the training resolution
     height: Optional[int] = None
     grid: bool = True
+    every_n_steps: int = 0  # >0: render the prompts file with the LoRA every N training steps
     # cpu: the start noise is drawn on the CPU (a seed gives the same image on any machine); device: on
     # the sampler's device.
     generator_device: str = "cpu"

@@ -62,4 +62,18 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None
     main = files.get("diffusers") or files["kohya"]
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
-            "grid": grid, "checkpoint_samples": {}}
+            "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}
+
+
+def _checkpoint_samples(out: Path, rendered: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """Samples rendered during training, copied to samples/step_<k>/."""
+    published = {}
+    for step, entries in sorted(rendered.items(), key=lambda kv: int(kv[0])):
+        folder = out / f"step_{int(step)}"
+        folder.mkdir(exist_ok=True)
+        published[step] = []
+        for e in entries:
+            dst = folder / f"{e['line']:03d}_{slug(e['prompt'])}.png"
+            shutil.copyfile(e["path"], dst)
+            published[step].append(str(dst))
+    return published

@@ -17,6 +17,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from tasks import augment, cache_latents, cache_text
+from tasks.checkpoint_samples import CheckpointSampler
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result
 from tasks.models import make_adapter
@@ -29,6 +30,7 @@ log = logging.getLogger("loraflow")
 
 # Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
 # max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
+# (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
 _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 
@@ -40,8 +42,15 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
-            "dtype": cfg["model"]["dtype"], "text.cache": cfg["text"]["cache"],
-            **{f"train.{k}": v for k, v in cfg["train"].items()}, **_augmentation(cfg), **pairs}
+            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], "text.cache": cfg["text"]["cache"],
+            **{f"train.{k}": v for k, v in cfg["train"].items()}, **_augmentation(cfg), **_sampling(cfg), **pairs}
+
+
+def _sampling(cfg: dict) -> dict:
+    # Samples during training are outputs of this node (the prompts file's content is not: it is re-read
+    # at each sample point, and editing it must not retrain).
+    every = cfg["sample"]["every_n_steps"]
+    return {"sample.every_n_steps": every} if every else {}
 
 
 def _augmentation(cfg: dict) -> dict:
@@ -136,17 +145,18 @@ def _stack(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([d[k] for d in dicts]) for k in dicts[0]}
 
 
-def _save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, generator, step_losses) -> None:
+def _save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, generator, step_losses,
+                     samples: dict) -> None:
     """LoRA weights, AdamW state and RNG states as safetensors (no pickle); the losses so far as JSON."""
     tensors = {"rng/generator": generator.get_state(), "rng/torch": torch.get_rng_state()}
     for name, p in named.items():
         tensors[f"lora/{name}"] = p.detach().clone()
         for k, v in optimizer.state.get(p, {}).items():
             tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
-    store.put_tensors(CHECKPOINT_KIND, key, tensors, meta={"step": step, "losses": step_losses})
+    store.put_tensors(CHECKPOINT_KIND, key, tensors, meta={"step": step, "losses": step_losses, "samples": samples})
 
 
-def _load_checkpoint(store: Store, key: str, named: dict, optimizer, generator) -> list[float]:
+def _load_checkpoint(store: Store, key: str, named: dict, optimizer, generator) -> dict:
     tensors = store.get_tensors(CHECKPOINT_KIND, key)
     with torch.no_grad():
         for name, p in named.items():
@@ -156,7 +166,7 @@ def _load_checkpoint(store: Store, key: str, named: dict, optimizer, generator) 
                 optimizer.state[p] = state
     generator.set_state(tensors["rng/generator"])
     torch.set_rng_state(tensors["rng/torch"])
-    return list(store.meta(CHECKPOINT_KIND, key)["losses"])
+    return store.meta(CHECKPOINT_KIND, key)
 
 
 def logged_losses(step_losses: list[float], every: int) -> list[dict]:
@@ -165,9 +175,55 @@ def logged_losses(step_losses: list[float], every: int) -> list[dict]:
             for i in range(0, len(step_losses), every) if (w := step_losses[i:i + every])]
 
 
+def make_accelerator(mixed_precision: str):
+    """accelerate's Accelerator for this run's precision and device. Its state is process-wide and
+    refuses a different precision once set, so each training run starts it afresh."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+
+
+def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
+    if tc["optimizer"] == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise ValueError("train.optimizer=adamw8bit needs bitsandbytes and a CUDA GPU (pip install "
+                             "bitsandbytes); on this machine use train.optimizer=adamw") from e
+        return bnb.optim.AdamW8bit(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+    return torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+
+
+def prepare_denoiser(adapter, cfg: dict):
+    """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
+    checkpointing. Returns (denoiser, {name: trainable parameter})."""
+    tc = cfg["train"]
+    denoiser = adapter.load_denoiser()
+    denoiser.requires_grad_(False)
+    if cfg["model"]["storage_dtype"]:
+        # Base weights stored in fp8, each layer up-cast to the compute dtype for its forward (diffusers'
+        # layerwise casting). Only Linear/Conv layers are cast: embeddings and norms keep the compute
+        # dtype, so no fp8 index_select is ever hit. Enabled before peft wraps the layers, so the hooks sit
+        # on the base layers and the LoRA layers (added next, then made fp32) are not cast.
+        denoiser.enable_layerwise_casting(storage_dtype=getattr(torch, cfg["model"]["storage_dtype"]),
+                                          compute_dtype=adapter.dtype)
+    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+    denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
+                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
+    named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
+    for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
+        p.data = p.data.float()
+    if tc["gradient_checkpointing"]:
+        denoiser.enable_gradient_checkpointing()
+    return denoiser, named
+
+
 def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
-               trajectory: str) -> tuple[Path, list, int]:
-    """The training loop, top to bottom. Returns (LoRA file, per-step losses, step it continued from)."""
+               trajectory: str) -> dict:
+    """The training loop, top to bottom. Returns the LoRA file, per-step losses, the step it continued
+    from, and the samples rendered during training."""
     tc = cfg["train"]
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
@@ -175,27 +231,23 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     texts = _Captions(cfg, plan, store, adapter, text_keys)
 
     generator = seed_everything(int(tc["seed"]))
-    denoiser = adapter.load_denoiser()
-    denoiser.requires_grad_(False)
-    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
-    denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
-    named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
+    accelerator = make_accelerator(tc["mixed_precision"])
+    denoiser, named = prepare_denoiser(adapter, cfg)
     params = list(named.values())
-    for p in params:  # LoRA weights train in fp32 whatever the base dtype
-        p.data = p.data.float()
-    if tc["optimizer"] != "adamw":
-        raise ValueError(f"train.optimizer={tc['optimizer']!r}: only 'adamw' is available")
-    optimizer = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+    denoiser.to(accelerator.device)
+    optimizer = accelerator.prepare_optimizer(make_optimizer(tc, params))
     lr_schedule = get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
 
+    sampler = CheckpointSampler(cfg, plan, store, adapter)
     step_losses, start = [], 0
     if tc["resume"] == "auto":
         start = latest_checkpoint(store, trajectory, tc["max_steps"])
     if start:
-        step_losses = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, generator)
+        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, generator)
+        step_losses = list(restored["losses"])
+        sampler.rendered = {k: v for k, v in restored.get("samples", {}).items() if sampler.due(int(k))}
         with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(start):
@@ -209,12 +261,13 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
              tc["max_steps"], len(names), tc["batch_size"], tc["rank"], tc["lr"], sum(p.numel() for p in params))
     for step in range(start + 1, tc["max_steps"] + 1):
         idx = batch_at(step, len(names), batch_size, int(tc["seed"]))
-        batch_latents = torch.stack([latents[i] for i in idx]).to(adapter.dtype)
-        text = _stack([texts.get(i, step, generator) for i in idx])
-        loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, generator)
-        loss.backward()
+        batch_latents = torch.stack([latents[i] for i in idx]).to(accelerator.device, adapter.dtype)
+        text = {k: v.to(accelerator.device) for k, v in _stack([texts.get(i, step, generator) for i in idx]).items()}
+        with accelerator.autocast():
+            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, generator)
+        accelerator.backward(loss)
         if tc["max_grad_norm"] > 0:
-            torch.nn.utils.clip_grad_norm_(params, tc["max_grad_norm"])
+            accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -224,12 +277,16 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             log.info("train: step %4d/%d  loss %.4f  lr %.2e", step, tc["max_steps"], sum(window) / len(window),
                      lr_schedule.get_last_lr()[0])
             window = []
+        if sampler.due(step):
+            sampler(step, denoiser, checkpoint_key(trajectory, step))
         every = tc["save_every_n_steps"]
         if (every and step % every == 0) or step == tc["max_steps"]:
-            _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, generator, step_losses)
+            _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, generator, step_losses,
+                             sampler.rendered)
 
-    state = get_peft_model_state_dict(denoiser)
-    return adapter.save_lora(state, out_dir, denoiser.peft_config["default"].to_dict()), step_losses, start
+    lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, denoiser.peft_config["default"].to_dict())
+    return {"lora": lora, "step_losses": step_losses, "continued_from_step": start,
+            "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings}
 
 
 def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict) -> dict:
@@ -239,16 +296,15 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict)
     resumed = None
     if status.missing:
         with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
-            lora_file, step_losses, start = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp),
-                                                      trajectory_key(node_inputs, cfg["train"]))
-            canonicalize_safetensors(lora_file)  # same config + data -> the same bytes
-            store.put_file(KIND, key, lora_file, meta={"step_losses": step_losses, "family": plan["family"],
-                                                       "continued_from_step": start})
-        resumed = start or None
+            out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory_key(node_inputs, cfg["train"]))
+            canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
+            store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
+        resumed = out["continued_from_step"] or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
                        losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
-                       continued_from_step=resumed)
+                       continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
+                       sample_warnings=meta.get("sample_warnings", []))
 
 
 def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:

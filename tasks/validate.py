@@ -23,7 +23,8 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("constant", "constant_with_warmup", "linear", "cosine"), ("train", "weighting_scheme"):
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
-            ("train", "resume"): ("auto", "never")}
+            ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
+            ("train", "mixed_precision"): ("no", "bf16", "fp16")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
@@ -36,8 +37,34 @@ def check_config(cfg: dict) -> list[str]:
     for section, key in _POSITIVE:
         if not cfg[section][key] > 0:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be greater than 0")
+    errors += _check_device(cfg)
+    for section, key in (("sample", "every_n_steps"), ("train", "save_every_n_steps")):
+        if cfg[section][key] < 0:
+            errors.append(f"{section}.{key}={cfg[section][key]!r}: must be 0 (off) or a number of steps")
     if cfg["data"]["missing_caption"] not in ("error", "empty"):
         errors.append(f"data.missing_caption={cfg['data']['missing_caption']!r}: choose error or empty")
+    return errors
+
+
+def _check_device(cfg: dict) -> list[str]:
+    """Settings this machine cannot run, each with the alternative."""
+    import torch
+
+    errors, cuda = [], torch.cuda.is_available()
+    if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
+        errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
+    if cfg["train"]["optimizer"] == "adamw8bit":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            errors.append("train.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU; "
+                          "use train.optimizer=adamw")
+        else:
+            if not cuda:
+                errors.append("train.optimizer=adamw8bit needs a CUDA GPU; on the CPU use train.optimizer=adamw")
+    storage = cfg["model"].get("storage_dtype")
+    if storage not in (None, "float8_e4m3fn", "float8_e5m2"):
+        errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")
     return errors
 
 
@@ -50,6 +77,20 @@ def check_sizes(cfg: dict, multiple: int) -> list[str]:
             errors.append(f"sample.{key}={value}: must be a multiple of {multiple} for model.family="
                           f"{cfg['model']['family']}; use sample.{key}={lo} or {hi}")
     return errors
+
+
+def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dict], list[str]]:
+    """Parsed prompt lines as plan entries (JSON), --w/--h rounded down to the family's multiple."""
+    planned, warnings = [], []
+    for p in prompts:
+        for name, value in (("--w", p.width), ("--h", p.height)):
+            if value and value % multiple:
+                warnings.append(f"{prompts_file}:{p.line}: {name} {value} is not a multiple of {multiple}; rounded down")
+        width = p.width and max(multiple, p.width // multiple * multiple)
+        height = p.height and max(multiple, p.height // multiple * multiple)
+        planned.append({"line": p.line, "prompt": p.prompt, "negative": p.negative, "width": width, "height": height,
+                        "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg, "seed": p.seed})
+    return planned, warnings
 
 
 def run(cfg: dict, store: Store) -> dict:
@@ -69,20 +110,10 @@ def run(cfg: dict, store: Store) -> dict:
 
     items = validate_dataset(cfg["data"]["dir"], cfg["data"]["missing_caption"], cfg["data"]["caption_extension"])
     prompts, warnings = read_prompts(cfg["sample"]["prompts_file"])
+    plan_prompts, size_warnings = planned_prompts(prompts, cfg["sample"]["prompts_file"], adapter_cls.size_multiple)
+    warnings += size_warnings
     for w in warnings:
         log.warning("sample prompts: %s", w)
-    plan_prompts, multiple = [], adapter_cls.size_multiple
-    for p in prompts:
-        width, height = p.width, p.height
-        for name, value in (("--w", width), ("--h", height)):
-            if value and value % adapter_cls.size_multiple:
-                warnings.append(f"{cfg['sample']['prompts_file']}:{p.line}: {name} {value} is not a multiple of "
-                                f"{adapter_cls.size_multiple}; rounded down")
-        width = width and max(multiple, width // multiple * multiple)
-        height = height and max(multiple, height // multiple * multiple)
-        plan_prompts.append({"line": p.line, "prompt": p.prompt, "negative": p.negative, "width": width,
-                             "height": height, "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg,
-                             "seed": p.seed})
 
     aug = augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
     mode = augment.text_mode(cfg["text"], aug)

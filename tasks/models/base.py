@@ -114,7 +114,17 @@ class FamilyAdapter(ABC):
         the trained alpha/rank scale, not its default."""
 
     @abstractmethod
-    def load_sampler(self, lora_file: Path | None) -> Any: ...
+    def load_sampler(self, lora_file: Path | None, denoiser: torch.nn.Module | None = None) -> Any:
+        """The family's pipeline without text encoders, with the LoRA file loaded, or around `denoiser`,
+        the model being trained (samples during training use the LoRA as it is at that step)."""
+
+    def live(self, denoiser) -> dict:
+        """from_pretrained kwargs that plug the model being trained into a pipeline (none: load it)."""
+        return {} if denoiser is None else {self.denoiser_subfolder: denoiser}
+
+    def place(self, pipe, denoiser):
+        # A pipeline around the training model stays on its device; otherwise the sampling device.
+        return pipe.to(self.device if denoiser is None else denoiser.device)
 
     @abstractmethod
     def sample(self, pipe, prompt: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,

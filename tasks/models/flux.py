@@ -85,12 +85,12 @@ class FluxAdapter(FamilyAdapter):
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file):
-        pipe = FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_SAMPLE_PARTS)
+    def load_sampler(self, lora_file, denoiser=None):
+        pipe = FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)
-        return pipe.to(self.device)
+        return self.place(pipe, denoiser)
 
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):

@@ -100,14 +100,15 @@ class UNetAdapter(FamilyAdapter):
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file):
+    def load_sampler(self, lora_file, denoiser=None):
         no_text = {name: None for name in self.text_components}  # renders from cached embeddings
         pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **no_text, **self.skip_parts,
+                                                 **self.live(denoiser),
                                                  **_SAFE)
         if lora_file is not None:
             pipe.load_lora_weights(str(lora_file))
         pipe.set_progress_bar_config(disable=True)
-        return pipe.to(self.device)
+        return self.place(pipe, denoiser)
 
     def unconditional(self, pipe, negative, empty):
         """The CFG negative: the prompt's own, else the empty prompt (what the pipeline encodes for

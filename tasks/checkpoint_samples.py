@@ -1,0 +1,103 @@
+"""Samples during training: every `sample.every_n_steps` steps the prompts file is re-read and each prompt
+is rendered with the LoRA as it is at that step.
+
+sd-scripts crashes mid-training when the prompts file is edited (`'NoneType' object has no attribute
+'to'`). Here nothing in the file can stop training: a malformed line is skipped with a warning naming
+it, a new or edited prompt is encoded then (and stored, so the next run's cache_text reuses it), and any
+other failure at a sample point is a warning. The renders use their own seeded generator, so sampling
+never changes the training trajectory."""
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from tasks import cache_text, sample
+from tasks.hashing import key_of
+from tasks.prompts import read_prompts
+from tasks.store import Store
+from tasks.validate import planned_prompts
+
+CODE_VERSION = "1"
+log = logging.getLogger("loraflow")
+
+# Called after each sample point with (step, rendered entries): tests use it to edit the prompts file
+# while training runs.
+AFTER_SAMPLE_POINT: list[Callable[[int, list[dict]], None]] = []
+
+
+class CheckpointSampler:
+    def __init__(self, cfg: dict, plan: dict, store: Store, adapter):
+        self.cfg, self.plan, self.store, self.adapter = cfg, plan, store, adapter
+        self.every = int(cfg["sample"]["every_n_steps"])
+        self.prompts_file = cfg["sample"]["prompts_file"]
+        self.rendered: dict[str, list[dict]] = {}  # step -> [{"line", "prompt", "path"}]
+        self.warnings: list[str] = []
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def __call__(self, step: int, denoiser, state_key: str) -> None:
+        """Render every prompt at this step; `state_key` names the training state (trajectory + step)."""
+        try:
+            entries = self._render(step, denoiser, state_key)
+        except Exception as e:  # noqa: BLE001 -- nothing at a sample point may stop training
+            self._warn(step, f"sampling failed ({type(e).__name__}: {e}); training goes on")
+            entries = []
+        finally:
+            denoiser.train()
+        self.rendered[str(step)] = entries
+        for hook in AFTER_SAMPLE_POINT:
+            hook(step, entries)
+
+    def _warn(self, step: int, message: str) -> None:
+        self.warnings.append(f"step {step}: {message}")
+        log.warning("sample at step %d: %s", step, message)
+
+    def _prompts(self, step: int) -> list[dict]:
+        prompts, warnings = read_prompts(self.prompts_file)  # re-read: the user may have edited it
+        planned, size_warnings = planned_prompts(prompts, self.prompts_file, self.adapter.size_multiple)
+        for w in warnings + size_warnings:
+            self._warn(step, w)
+        return planned
+
+    def _text_keys(self, step: int, texts: set[str]) -> dict[str, str]:
+        keys = {t: cache_text.text_key(self.cfg, self.plan, t) for t in texts}
+        new = [t for t, k in keys.items() if not self.store.valid(cache_text.KIND, k)]
+        if new:  # encoders loaded for this sample point only
+            encoders = self.adapter.load_text_encoders()
+            for t in new:
+                self.store.put_tensors(cache_text.KIND, keys[t], self.adapter.encode_text(encoders, [t])[0],
+                                       meta={"text": t})
+            del encoders
+            log.info("sample at step %d: encoded %d new prompt text(s)", step, len(new))
+        return keys
+
+    def _render(self, step: int, denoiser, state_key: str) -> list[dict]:
+        prompts = self._prompts(step)
+        keys = self._text_keys(step, {p["prompt"] for p in prompts} | {p["negative"] for p in prompts} | {""})
+        tensors = lambda text: self.store.get_tensors(cache_text.KIND, keys[text])  # noqa: E731
+        pipe, entries = None, []
+        for p in prompts:
+            s = sample.settings(self.cfg, self.plan, p)
+            key = key_of({"node": "checkpoint_sample", "code": CODE_VERSION, "state": state_key, **s,
+                          "model": self.plan["ids"]["sample"], "prompt": keys[p["prompt"]],
+                          "negative": keys[p["negative"]] if p["negative"] else None, "empty": keys[""]})
+            if not self.store.valid(sample.KIND, key):
+                if pipe is None:
+                    pipe = self.adapter.load_sampler(None, denoiser=denoiser)
+                    denoiser.eval()
+                try:
+                    image = self.adapter.sample(pipe, tensors(p["prompt"]), tensors(p["negative"]) if p["negative"] else None,
+                                                tensors(""), **s)
+                except Exception as e:  # noqa: BLE001 -- one bad prompt costs its image only
+                    self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
+                    continue
+                with tempfile.TemporaryDirectory(dir=self.store.root / "tmp") as tmp:
+                    png = Path(tmp) / "sample.png"
+                    image.save(png)
+                    self.store.put_file(sample.KIND, key, png, meta={"prompt": p["prompt"], "step": step, **s})
+            entries.append({"line": p["line"], "prompt": p["prompt"], "path": str(self.store.get_path(sample.KIND, key))})
+        log.info("sample at step %d: %d image(s)", step, len(entries))
+        return entries
