@@ -74,6 +74,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
               "artifacts": {**artifacts, "base_model": plan["model_dir"]},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
+              "memory_estimate": plan["memory"],
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     path = write_report(run_dir, report)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})

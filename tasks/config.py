@@ -73,6 +73,7 @@ class TrainConfig:
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False
+    memory_limit_gb: Optional[float] = None  # preflight budget; None: the device's free memory
     mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs CUDA), through accelerate
     save_every_n_steps: int = 0  # 0: a checkpoint at the last step only
     # auto: continue from the latest stored checkpoint of the same trajectory (an interrupted run, or a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks import augment
+from tasks import augment, memory
 from tasks.config import ConfigError
 from tasks.dataset import validate_dataset
 from tasks.hashing import digest_file, key_of
@@ -125,12 +125,16 @@ def run(cfg: dict, store: Store) -> dict:
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
         ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components))}
+    adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
+    estimate = memory.preflight(cfg, adapter, size)
+    log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"], estimate["budget_gb"],
+             estimate["budget_source"])
     plan_items = [{"name": it.name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
                    "caption": it.caption} for it in items]
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(plan_items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
-            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation}
+            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate}
 
 
 def inputs(plan: dict) -> dict:

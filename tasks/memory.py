@@ -1,0 +1,157 @@
+"""Preflight memory estimate for the train node: weights, LoRA + optimizer states and activations at the
+chosen size and batch, against the memory the device has free. Read from the denoiser's config and
+safetensors headers (no weights loaded). When it will not fit, the message names the settings that
+would make it fit.
+
+The activation term is a rule of thumb (per block, the saved tensors of attention + MLP are about
+ACT_FACTOR x tokens x width values; with checkpointing, only each block's input plus one block's
+internals), not a measurement: `bench/gpu.py` measures the real peak."""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+GB = 1024 ** 3
+ACT_FACTOR = 24  # q, k, v, attention output, MLP (4x) in and out, norms: saved values per token x width
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _weights(folder: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the safetensors headers of a model folder."""
+    shapes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _lora_params(shapes: dict[str, list[int]], targets: list[str], rank: int) -> int:
+    """peft's matching: a module whose name is a target or ends with '.<target>'."""
+    total = 0
+    for name, shape in shapes.items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if any(module == t or module.endswith("." + t) for t in targets):
+            total += rank * (shape[0] + shape[1])
+    return total
+
+
+def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
+    """(tokens, width, blocks) of the denoiser at this training size, from its config."""
+    w, h = size
+    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 transformers
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
+        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
+        blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
+        return tokens, width, blocks
+    # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
+    channels = config["block_out_channels"]
+    tokens = (h // 8) * (w // 8)
+    blocks = len(channels) * config.get("layers_per_block", 2) * 2
+    return tokens, channels[0], blocks
+
+
+def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
+             text_tokens: int) -> dict:
+    tc, mc = cfg["train"], cfg["model"]
+    folder = Path(model_dir) / denoiser_folder
+    config = json.loads((folder / "config.json").read_text())
+    shapes = _weights(folder)
+    params = sum(_numel(s) for s in shapes.values())
+    weight_bytes = params * _BYTES[mc["storage_dtype"] or mc["dtype"]]
+    lora = _lora_params(shapes, targets, tc["rank"])
+    optimizer_bytes_per_param = 2 if tc["optimizer"] == "adamw8bit" else 8
+    lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param)  # fp32 weights + grads + optimizer states
+    tokens, width, blocks = activation_geometry(config, size, text_tokens)
+    act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
+    per_block = ACT_FACTOR * tokens * width * act_dtype * tc["batch_size"]
+    if tc["gradient_checkpointing"]:
+        activations = blocks * tokens * width * act_dtype * tc["batch_size"] + per_block
+    else:
+        activations = blocks * per_block
+    total = weight_bytes + lora_bytes + activations
+    return {"params": params, "lora_params": lora, "weights_gb": weight_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
+            "activations_gb": activations / GB, "total_gb": total / GB}
+
+
+def available_gb() -> tuple[float, str]:
+    """Free memory of the training device (CUDA), else the machine's available RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return free / GB, f"free memory of {torch.cuda.get_device_name()}"
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        m = re.search(r"MemAvailable:\s+(\d+) kB", meminfo.read_text())
+        if m:
+            return int(m.group(1)) * 1024 / GB, "available RAM"
+    return float("inf"), "unknown"
+
+
+# What a user can change, in the order people try them.
+REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpointing"), True),
+            ("train.optimizer=adamw8bit", ("train", "optimizer"), "adamw8bit"),
+            ("model.storage_dtype=float8_e4m3fn", ("model", "storage_dtype"), "float8_e4m3fn"),
+            ("train.batch_size=1", ("train", "batch_size"), 1))
+
+
+def fitting_settings(cfg: dict, budget_gb: float, estimate_fn) -> list[str]:
+    """The remedies (alone, then all applicable together) whose estimate fits the budget."""
+    def with_changes(changes):
+        new = {**cfg, "train": dict(cfg["train"]), "model": dict(cfg["model"])}
+        for _, (section, key), value in changes:
+            new[section][key] = value
+        return new
+
+    open_ = [r for r in REMEDIES if cfg[r[1][0]][r[1][1]] != r[2]]
+    fits = []
+    for r in open_:
+        gb = estimate_fn(with_changes([r]))["total_gb"]
+        if gb <= budget_gb:
+            fits.append(f"{r[0]} ({gb:.1f} GB)")
+    if not fits and open_:
+        together = estimate_fn(with_changes(open_))["total_gb"]
+        if together <= budget_gb:
+            fits.append(" + ".join(r[0] for r in open_) + f" together ({together:.1f} GB)")
+    return fits
+
+
+def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
+    """The estimate for this run; raises ConfigError when it exceeds the budget, naming what would fit."""
+    from tasks.config import ConfigError
+
+    targets = list(cfg["train"]["target_modules"] or adapter.default_lora_targets())
+
+    def estimate_for(c):
+        return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
+                        c["model"]["max_sequence_length"])
+
+    est = estimate_for(cfg)
+    limit = cfg["train"]["memory_limit_gb"]
+    budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
+    est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
+    if est["total_gb"] > budget:
+        fits = fitting_settings(cfg, budget, estimate_for)
+        hint = ("would fit: " + "; ".join(fits)) if fits else ("nothing in train.gradient_checkpointing, "
+                                                               "train.optimizer=adamw8bit, model.storage_dtype=float8_e4m3fn or "
+                                                               "train.batch_size=1 fits: use a smaller data.resolution or a "
+                                                               "bigger device")
+        raise ConfigError(
+            f"training will not fit in memory: about {est['total_gb']:.1f} GB needed (weights {est['weights_gb']:.1f}, "
+            f"LoRA + optimizer {est['lora_and_optimizer_gb']:.2f}, activations {est['activations_gb']:.1f} at "
+            f"{size[0]}x{size[1]}, batch {cfg['train']['batch_size']}) > {budget:.1f} GB ({source}); {hint}")
+    return est

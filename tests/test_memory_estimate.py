@@ -1,0 +1,76 @@
+"""Preflight memory estimate: read from configs and safetensors headers; when a run will not fit, the
+message names the settings that would make it fit."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from tasks.config import ConfigError
+from tasks.memory import estimate, fitting_settings
+
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+
+
+@pytest.fixture(scope="module")
+def flux_dev_headers(tmp_path_factory):
+    """FLUX.1-dev's transformer as config + a header-only safetensors file (shapes, no weights)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**FLUX_DEV)
+    folder = tmp_path_factory.mktemp("flux-dev") / "transformer"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(model.config)))
+    header, offset = {}, 0
+    for name, t in model.state_dict().items():
+        n = t.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    (folder / "diffusion_pytorch_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder.parent
+
+
+def _cfg(**train):
+    return {"model": {"dtype": "bfloat16", "storage_dtype": None, "max_sequence_length": 512},
+            "train": {"rank": 16, "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16",
+                      "gradient_checkpointing": False, **train}}
+
+
+def _est(folder, cfg):
+    return estimate(cfg, folder, "transformer", TARGETS, (1024, 1024), cfg["model"]["max_sequence_length"])
+
+
+def test_flux_dev_at_1024(flux_dev_headers):
+    plain = _est(flux_dev_headers, _cfg())
+    assert 11.8e9 < plain["params"] < 12.0e9 and 22 < plain["weights_gb"] < 23  # FLUX.1-dev: 11.9 B parameters
+    checkpointed = _est(flux_dev_headers, _cfg(gradient_checkpointing=True))
+    assert checkpointed["activations_gb"] < plain["activations_gb"] / 10
+    fp8 = _est(flux_dev_headers, {**_cfg(gradient_checkpointing=True),
+                                  "model": {**_cfg()["model"], "storage_dtype": "float8_e4m3fn"}})
+    assert fp8["weights_gb"] == pytest.approx(checkpointed["weights_gb"] / 2)
+    assert plain["total_gb"] > 24 and fp8["total_gb"] < 16
+
+    fits = fitting_settings(_cfg(), 24.0, lambda c: _est(flux_dev_headers, c))
+    assert any(f.startswith("model.storage_dtype=float8_e4m3fn") for f in fits) or \
+        any("train.gradient_checkpointing=true" in f for f in fits)
+
+
+def test_a_run_that_will_not_fit_names_the_settings(workspace):
+    with pytest.raises(ConfigError) as e:
+        workspace.run("train.memory_limit_gb=0.0001")
+    message = str(e.value)
+    assert "will not fit in memory" in message and "train.memory_limit_gb" in message
+    assert "gradient_checkpointing" in message and "float8_e4m3fn" in message and "batch_size=1" in message
+
+
+def test_the_report_carries_the_estimate(workspace):
+    r = workspace.run()
+    m = r["memory_estimate"]
+    assert m["params"] > 0 and m["lora_params"] > 0 and m["total_gb"] > 0 and m["budget_source"]
