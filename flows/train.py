@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.artifacts import publish_artifacts
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
@@ -77,11 +78,14 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
               "memory_estimate": plan["memory"],
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     path = write_report(run_dir, report)
+    publish_artifacts(report, path)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
     log.info("report:  %s", path)
-    return {"report": str(path), "run_dir": str(run_dir)}
+    from prefect.runtime import flow_run
+
+    return {"report": str(path), "run_dir": str(run_dir), "flow_run_id": str(flow_run.id)}
 
 
 def _hydra_main() -> None:

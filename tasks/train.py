@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import tempfile
+import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -175,6 +176,11 @@ def logged_losses(step_losses: list[float], every: int) -> list[dict]:
             for i in range(0, len(step_losses), every) if (w := step_losses[i:i + every])]
 
 
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
 def make_accelerator(mixed_precision: str):
     """accelerate's Accelerator for this run's precision and device. Its state is process-wide and
     refuses a different precision once set, so each training run starts it afresh."""
@@ -259,6 +265,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     batch_size, window = min(tc["batch_size"], len(names)), []
     log.info("train: %d steps, %d images, batch %d, rank %d, lr %g, %d trainable parameters",
              tc["max_steps"], len(names), tc["batch_size"], tc["rank"], tc["lr"], sum(p.numel() for p in params))
+    t0 = time.perf_counter()
     for step in range(start + 1, tc["max_steps"] + 1):
         idx = batch_at(step, len(names), batch_size, int(tc["seed"]))
         batch_latents = torch.stack([latents[i] for i in idx]).to(accelerator.device, adapter.dtype)
@@ -274,8 +281,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         step_losses.append(loss.item())
         window.append(step_losses[-1])
         if step % tc["log_every"] == 0 or step == tc["max_steps"]:
-            log.info("train: step %4d/%d  loss %.4f  lr %.2e", step, tc["max_steps"], sum(window) / len(window),
-                     lr_schedule.get_last_lr()[0])
+            rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
+            log.info("train: step %4d/%d  loss %.4f  lr %.2e  %.2f it/s  ETA %s", step, tc["max_steps"],
+                     sum(window) / len(window), lr_schedule.get_last_lr()[0], rate,
+                     _duration((tc["max_steps"] - step) / rate))
             window = []
         if sampler.due(step):
             sampler(step, denoiser, checkpoint_key(trajectory, step))
