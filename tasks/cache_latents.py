@@ -24,11 +24,14 @@ def params(cfg: dict, plan: dict) -> dict:
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
     p = params(cfg, plan)
-    return {it["name"]: key_of({**p, "image": it["image_digest"]}) for it in plan["items"]}
+    # A bucketed item carries its own size; the key has the size it is encoded at either way.
+    return {it["name"]: key_of({**p, "size": it.get("size", plan["size"]), "image": it["image_digest"]})
+            for it in plan["items"]}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
-    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]}}
+    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]},
+            **{f"size:{it['name']}": it["size"] for it in plan["items"] if "size" in it}}
 
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
@@ -41,9 +44,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         vae = adapter.load_vae()
-        w, h = plan["size"]
         for batch in chunks(todo, batch_size):
-            pixels = torch.stack([image_to_tensor(load_image(it["image"]), w, h) for it in batch])
+            pixels = torch.stack([image_to_tensor(load_image(it["image"]), *it.get("size", plan["size"])) for it in batch])
             latents = adapter.encode_latents(vae, pixels)
             for it, z in zip(batch, latents):
                 store.put_tensors(KIND, keys[it["name"]], {"latents": z}, meta={"image": it["name"]})

@@ -42,6 +42,10 @@ class DataConfig:
     resolution_type: str = "pixels"  # pixels | area (megapixels)
     missing_caption: str = "error"  # error | empty
     caption_extension: str = ".txt"
+    # Aspect-ratio buckets: each image trains at the bucket nearest its aspect (about the area of
+    # data.resolution); every batch is drawn from one bucket.
+    buckets: bool = False
+    bucket_max_aspect: float = 2.0
     # Caption augmentation, kohya meanings; all of it works with the text cache (see text.variants).
     caption_dropout_rate: float = 0.0
     shuffle_caption: bool = False

@@ -6,6 +6,8 @@ fixes a broken dataset in one pass instead of one error per run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import warnings
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ class Item:
     image_path: Path
     caption_path: Path | None
     caption: str
+    size: tuple[int, int] | None = None  # (width, height) after EXIF orientation, once decoded
 
 
 def _check_options(missing_caption: str, caption_extension: str) -> None:
@@ -233,7 +236,7 @@ def validate_dataset(data_dir, missing_caption: str = "error",
                                            f"{MIN_IMAGE_SIDE} px on a side", "small"))
         problems += mine
         if not mine:
-            items.append(item)
+            items.append(dataclasses.replace(item, size=tuple(size)))
     if problems:
         problems.sort(key=lambda p: p.path)
         kinds = {p.kind for p in problems}

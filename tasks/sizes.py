@@ -31,3 +31,23 @@ def resolve_size(resolution: float, resolution_type: str, multiple: int, aspect:
         raise ConfigError(f"data.resolution={resolution:g} must be a whole multiple of {multiple} for this model "
                           f"family; use data.resolution={lo} or data.resolution={hi}")
     return side, side
+
+
+def bucket_sizes(width: int, height: int, multiple: int, max_aspect: float = 2.0) -> list[tuple[int, int]]:
+    """Aspect-ratio buckets of at most the area of width x height, as kohya makes them: for each width in
+    steps of `multiple`, the largest height (a multiple) that keeps the area, and the transposed bucket;
+    aspects within 1/max_aspect..max_aspect."""
+    area, out = width * height, set()
+    w = multiple
+    while w * w <= area * max_aspect:
+        h = max(multiple, int(area // w) // multiple * multiple)
+        if 1 / max_aspect <= w / h <= max_aspect:
+            out |= {(w, h), (h, w)}
+        w += multiple
+    return sorted(out)
+
+
+def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect is closest to the image's (in log space, so 2:1 and 1:2 are as far from 1:1)."""
+    aspect = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - aspect), abs(b[0] * b[1] - width * height)))

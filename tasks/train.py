@@ -129,13 +129,30 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(seed)
 
 
-def batch_at(step: int, n: int, batch_size: int, seed: int) -> list[int]:
-    """Item indices of a 1-based step: a seeded permutation per epoch, the last partial batch kept.
-    Stateless, so a run continued from a checkpoint draws the batches a straight run draws."""
-    per_epoch = -(-n // batch_size)
+def batch_at(step: int, groups: list[list[int]], batch_size: int, seed: int) -> list[int]:
+    """Item indices of a 1-based step. `groups` are the aspect buckets (one group without bucketing):
+    each epoch permutes every group, cuts it into batches (the last partial one kept), and shuffles the
+    order of those batches across groups, all from (seed, epoch). Stateless, so a run continued from a
+    checkpoint draws the batches a straight run draws."""
+    per_epoch = sum(-(-len(g) // batch_size) for g in groups)
     epoch, i = divmod(step - 1, per_epoch)
-    order = torch.randperm(n, generator=torch.Generator("cpu").manual_seed(key_int(seed, epoch))).tolist()
-    return order[i * batch_size:(i + 1) * batch_size]
+    batches = []
+    for g, members in enumerate(groups):
+        gen = torch.Generator("cpu").manual_seed(key_int(seed, epoch) if len(groups) == 1 else key_int(seed, epoch, g))
+        order = [members[j] for j in torch.randperm(len(members), generator=gen).tolist()]
+        batches += [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    if len(groups) > 1:
+        mix = torch.Generator("cpu").manual_seed(key_int(seed, epoch, "order"))
+        batches = [batches[j] for j in torch.randperm(len(batches), generator=mix).tolist()]
+    return batches[i]
+
+
+def buckets_of(latents: list[torch.Tensor]) -> list[list[int]]:
+    """Indices grouped by latent shape (one group when every image has the training size)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, z in enumerate(latents):
+        groups.setdefault(tuple(z.shape), []).append(i)
+    return [groups[k] for k in sorted(groups)]
 
 
 def key_int(*parts) -> int:
@@ -265,9 +282,13 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     batch_size, window = min(tc["batch_size"], len(names)), []
     log.info("train: %d steps, %d images, batch %d, rank %d, lr %g, %d trainable parameters",
              tc["max_steps"], len(names), tc["batch_size"], tc["rank"], tc["lr"], sum(p.numel() for p in params))
+    groups = buckets_of(latents)
+    if len(groups) > 1:
+        log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
+                 ", ".join(f"{tuple(latents[g[0]].shape[-2:])}: {len(g)}" for g in groups))
     t0 = time.perf_counter()
     for step in range(start + 1, tc["max_steps"] + 1):
-        idx = batch_at(step, len(names), batch_size, int(tc["seed"]))
+        idx = batch_at(step, groups, batch_size, int(tc["seed"]))
         batch_latents = torch.stack([latents[i] for i in idx]).to(accelerator.device, adapter.dtype)
         text = {k: v.to(accelerator.device) for k, v in _stack([texts.get(i, step, generator) for i in idx]).items()}
         with accelerator.autocast():

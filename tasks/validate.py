@@ -13,7 +13,7 @@ from tasks.dataset import validate_dataset
 from tasks.hashing import digest_file, key_of
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
-from tasks.sizes import resolve_size
+from tasks.sizes import bucket_sizes, nearest_bucket, resolve_size
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -38,6 +38,8 @@ def check_config(cfg: dict) -> list[str]:
         if not cfg[section][key] > 0:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be greater than 0")
     errors += _check_device(cfg)
+    if not cfg["data"]["bucket_max_aspect"] >= 1:
+        errors.append(f"data.bucket_max_aspect={cfg['data']['bucket_max_aspect']!r}: must be at least 1 (e.g. 2.0)")
     for section, key in (("sample", "every_n_steps"), ("train", "save_every_n_steps")):
         if cfg[section][key] < 0:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be 0 (off) or a number of steps")
@@ -131,6 +133,15 @@ def run(cfg: dict, store: Store) -> dict:
              estimate["budget_source"])
     plan_items = [{"name": it.name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
                    "caption": it.caption} for it in items]
+    if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
+        buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
+        for entry, it in zip(plan_items, items):
+            entry["size"] = list(nearest_bucket(*it.size, buckets))
+        counts = {}
+        for entry in plan_items:
+            counts[tuple(entry["size"])] = counts.get(tuple(entry["size"]), 0) + 1
+        log.info("validate: %d bucket(s): %s", len(counts),
+                 ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items())))
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(plan_items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,

@@ -213,4 +213,5 @@ def test_demo_script_is_deterministic_and_matches_committed(tmp_path):
             assert got.shape == (96, 96, 3)
     items = validate_dataset(committed)
     assert len(items) == 12 and items[0] == Item("img_00.png", committed / "img_00.png",
-                                                 committed / "img_00.txt", "a red circle on a blue background")
+                                                 committed / "img_00.txt", "a red circle on a blue background",
+                                                 size=(96, 96))

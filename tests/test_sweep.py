@@ -1,0 +1,81 @@
+"""Hydra sweeps (`-m`): members share the store's caches, and flows.sweep writes a summary of them."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
+    data, prompts, sweep = tmp_path / "data", tmp_path / "prompts.txt", tmp_path / "sweep"
+    shutil.copytree(REPO / "data" / "demo", data)
+    shutil.copyfile(REPO / "data" / "demo_prompts.txt", prompts)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # one process, one ephemeral API for every member
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.train", "-m", "train.lr=1e-3,2e-3", f"data.dir={data}",
+         f"sample.prompts_file={prompts}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
+         "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
+        cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    first, second = (json.loads((sweep / n / "report.json").read_text())["nodes"] for n in ("0", "1"))
+    assert first["cache_latents"]["computed"] == 12
+    assert second["cache_latents"]["computed"] == 0 and second["cache_latents"]["reused"] == 12
+    assert second["cache_text"]["computed"] == 0
+    assert first["train"]["status"] == second["train"]["status"] == "ran"
+    assert first["train"]["key"] != second["train"]["key"]
+
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["swept_keys"] == ["train.lr"]
+    members = summary["members"]
+    assert [m["member"] for m in members] == ["0", "1"]
+    for m, lr in zip(members, ("0.001", "0.002")):
+        assert m["status"] == "completed"
+        assert any(o.startswith("train.lr=") and float(o.split("=")[1]) == float(lr) for o in m["swept"]), m
+        assert isinstance(m["final_loss"], float)
+        assert Path(m["lora"]).is_file() and Path(m["grid"]).is_file()
+        assert m["report"] == str(sweep / m["member"] / "report.json")
+    assert members[1]["nodes"]["cache_latents"]["computed"] == 0 and members[1]["nodes"]["train"]["status"] == "ran"
+    md = (sweep / "summary.md").read_text()
+    assert "train.lr=0.001" in md and "train.lr=0.002" in md and "0/report.json" in md
+
+
+def _member(sweep: Path, n: str, overrides: list[str], loss: float | None) -> None:
+    (sweep / n / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), sweep / n / ".hydra" / "overrides.yaml")
+    if loss is not None:
+        report = {"nodes": {"train": {"status": "ran", "key": n * 8, "computed": 1, "reused": 0, "seconds": 1.0}},
+                  "artifacts": {"lora": str(sweep / n / "lora.safetensors"), "grid": None},
+                  "loss": [{"step": 2, "loss": loss + 1}, {"step": 4, "loss": loss}]}
+        (sweep / n / "report.json").write_text(json.dumps(report))
+
+
+def test_summary_from_member_folders_as_a_parallel_launcher_leaves_them(tmp_path):
+    """Launchers that run members in other processes: the callback sees no job ends, reads the folders."""
+    from flows.sweep import SweepSummary
+
+    sweep = tmp_path / "sweep"
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)},
+                                         "overrides": {"task": ["train.rank=4", "train.lr=1e-4,3e-4,1e-3"]}}})
+    callback = SweepSummary()
+    callback.on_multirun_start(config)
+    for n, lr, loss in (("0", "0.0001", 0.7), ("1", "0.0003", 0.5), ("10", "0.001", None)):
+        _member(sweep, n, ["train.rank=4", f"train.lr={lr}"], loss)
+    callback.on_multirun_end(config)
+
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [m["member"] for m in summary["members"]] == ["0", "1", "10"]  # numeric order
+    assert [m["swept"] for m in summary["members"]] == [["train.lr=0.0001"], ["train.lr=0.0003"], ["train.lr=0.001"]]
+    assert summary["members"][0]["overrides"] == ["train.rank=4", "train.lr=0.0001"]
+    assert [m["status"] for m in summary["members"]] == ["completed", "completed", "failed"]
+    assert summary["members"][1]["final_loss"] == 0.5
+    assert summary["lowest_final_loss"]["member"] == "1"
+    assert "failed" in (sweep / "summary.md").read_text()
