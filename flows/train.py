@@ -91,6 +91,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
 def _hydra_main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
@@ -102,6 +103,8 @@ def _hydra_main() -> None:
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
             print(f"\nloraflow: stopped before training: {e}", file=sys.stderr)
+            if hc.mode == RunMode.MULTIRUN:
+                raise  # Hydra marks the member failed and runs the rest; the sweep summary lists it
             sys.exit(2)
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
 

@@ -73,15 +73,17 @@ def checkpoint_key(trajectory: str, step: int) -> str:
     return key_of({"trajectory": trajectory, "step": step})
 
 
-def latest_checkpoint(store: Store, trajectory: str, max_steps: int) -> int:
-    """The highest step <= max_steps with a valid stored checkpoint of this trajectory (0: none)."""
+def latest_checkpoint(store: Store, trajectory: str, max_steps: int, discard: bool = True) -> int:
+    """The highest step <= max_steps with a valid stored checkpoint of this trajectory (0: none). A
+    checkpoint that fails verification is discarded (or, with discard=False, just skipped)."""
     for step in range(max_steps, 0, -1):
         key = checkpoint_key(trajectory, step)
         if store.exists(CHECKPOINT_KIND, key):
             if store.valid(CHECKPOINT_KIND, key):
                 return step
-            log.warning("train: checkpoint at step %d failed verification; discarded", step)
-            store.discard(CHECKPOINT_KIND, key)
+            if discard:
+                log.warning("train: checkpoint at step %d failed verification; discarded", step)
+                store.discard(CHECKPOINT_KIND, key)
     return 0
 
 

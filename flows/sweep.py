@@ -1,0 +1,177 @@
+"""A Hydra callback that summarises a sweep (`python -m flows.train -m train.lr=1e-4,3e-4,1e-3`).
+
+Registered in conf/train.yaml under `hydra.callbacks`. After the last member it writes
+`<hydra.sweep.dir>/summary.json` and `summary.md`: per member its overrides, final loss, LoRA file,
+sample grid, report path and each node's status and counts (the caches shared across members show as
+`computed 0` from the second member on).
+
+Members run one after another in one process with Hydra's basic launcher. A parallel launcher
+(hydra-joblib-launcher: `hydra/launcher=joblib`) runs them in worker processes; those must share one
+Prefect API, because each process would otherwise start its own ephemeral API on the same SQLite file:
+start `prefect server start` and export `PREFECT_API_URL=http://127.0.0.1:4200/api` first.
+
+The summary is built from files, so it works with any launcher: each member's `report.json` and the
+overrides Hydra saves in `<member dir>/.hydra/overrides.yaml`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("loraflow")
+NODES = ("validate", "cache_latents", "cache_text", "train", "sample")  # as tasks.report.NODES (kept light)
+
+
+def _swept_keys(task_overrides: list[str]) -> list[str]:
+    """Keys that the sweep varies (`train.lr=1e-4,3e-4`, `range(...)`, `choice(...)`, `glob(...)`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(task_overrides)
+    except Exception:  # never let the summary break a finished sweep
+        return []
+    return [o.get_key_element() for o in parsed if o.is_sweep_override()]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("~+")
+
+
+def _member_number(path: Path) -> tuple[int, str]:
+    return (int(path.name), "") if path.name.isdigit() else (1 << 30, path.name)
+
+
+def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str], status: str | None = None,
+                   error: str | None = None) -> dict:
+    """One member's line: overrides, final loss, LoRA, grid, report and node counts (from its report.json)."""
+    if overrides is None:
+        saved = out_dir / ".hydra" / "overrides.yaml"
+        overrides = list(OmegaConf.to_container(OmegaConf.load(saved))) if saved.is_file() else []
+    overrides = [o for o in overrides if not o.startswith("hydra.")]
+    report_path = out_dir / "report.json"
+    entry: dict[str, Any] = {"member": out_dir.name, "dir": str(out_dir), "overrides": overrides,
+                             "swept": [o for o in overrides if _key(o) in swept]}
+    try:
+        report = json.loads(report_path.read_text())
+    except (FileNotFoundError, ValueError):
+        report = None
+    if report is None:
+        entry.update(status="failed", error=error or f"no report at {report_path}")
+        return entry
+    loss = report.get("loss") or []
+    artifacts = report.get("artifacts", {})
+    nodes = report.get("nodes", {})
+    if error:
+        entry["error"] = error
+    entry.update(status=status or "completed", report=str(report_path),
+                 final_loss=loss[-1]["loss"] if loss else None, lora=artifacts.get("lora"),
+                 grid=artifacts.get("grid"), lora_key=nodes.get("train", {}).get("key"),
+                 nodes={n: {k: nodes[n].get(k) for k in ("status", "computed", "reused", "seconds")}
+                        for n in NODES if n in nodes})
+    return entry
+
+
+def summarise(sweep_dir: Path, members: list[dict], swept: list[str]) -> dict:
+    ok = [m for m in members if m.get("final_loss") is not None]
+    best = min(ok, key=lambda m: m["final_loss"]) if ok else None
+    return {"sweep_dir": str(sweep_dir), "swept_keys": swept, "members": members,
+            "lowest_final_loss": best and {"member": best["member"], "final_loss": best["final_loss"],
+                                           "swept": best["swept"]}}
+
+
+def _rel(path: str | None, base: Path) -> str:
+    if not path:
+        return ""
+    try:
+        return os.path.relpath(path, base)
+    except ValueError:
+        return path
+
+
+def to_markdown(summary: dict) -> str:
+    base = Path(summary["sweep_dir"])
+    lines = [f"# Sweep summary: {base}", "",
+             f"Swept: {', '.join(summary['swept_keys']) or '(nothing)'}; {len(summary['members'])} member(s).", "",
+             "| member | overrides | final loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
+             "|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
+    for m in summary["members"]:
+        shown = " ".join(f"`{o}`" for o in (m["swept"] or m["overrides"])) or "-"
+        if m["status"] == "failed":
+            lines.append(f"| {m['member']} | {shown} | failed: {m.get('error', '')} | | | |" + " |" * (len(NODES) - 1))
+            continue
+        loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"
+        link = lambda p, label: f"[{label}]({_rel(p, base)})" if p else "-"  # noqa: E731
+        counts = []
+        for n in NODES[1:]:
+            e = m["nodes"].get(n)
+            counts.append(f"{e['status']} ({e['computed']} computed, {e['reused']} reused)" if e else "-")
+        lines.append(f"| {m['member']} | {shown} | {loss} | {link(m['lora'], 'lora')} | {link(m['grid'], 'grid')} | "
+                     f"{link(m['report'], 'report.json')} | " + " | ".join(counts) + " |")
+    best = summary["lowest_final_loss"]
+    if best:
+        lines += ["", f"Lowest final loss: member {best['member']} ({best['final_loss']:.4f}, "
+                      f"{' '.join(best['swept']) or 'no swept overrides'})."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class SweepSummary(Callback):
+    """`on_multirun_end`: `<sweep dir>/summary.json` and `summary.md`.
+
+    Members that ran in this process (basic launcher) are known from `on_job_end`; otherwise (a launcher
+    running jobs elsewhere) the member folders of the sweep dir written since the sweep started are read."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict] = []
+        self.started = time.time()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs, self.started = [], time.time()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        try:
+            status = getattr(job_return.status, "name", str(job_return.status)).lower()
+            error = None
+            if status == "failed":
+                error = f"{type(job_return._return_value).__name__}: {job_return._return_value}"
+            self.jobs.append({"dir": str(config.hydra.runtime.output_dir), "overrides": list(job_return.overrides or []),
+                              "status": status, "error": error})
+        except Exception as e:  # a summary must never fail a job
+            log.warning("sweep summary: could not record a member (%s)", e)
+
+    def _members_on_disk(self, sweep_dir: Path) -> list[dict]:
+        found = []
+        for d in sweep_dir.iterdir() if sweep_dir.is_dir() else ():
+            saved = d / ".hydra" / "overrides.yaml"
+            if d.is_dir() and saved.is_file() and saved.stat().st_mtime >= self.started - 1:
+                found.append({"dir": str(d), "overrides": None, "status": None, "error": None})
+        return found
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+            swept = _swept_keys(list(config.hydra.overrides.task))
+            jobs = self.jobs or self._members_on_disk(sweep_dir)
+            jobs = sorted({j["dir"]: j for j in jobs}.values(), key=lambda j: _member_number(Path(j["dir"])))
+            members = [member_summary(Path(j["dir"]), j["overrides"], swept,
+                                      None if j["status"] in (None, "completed") else j["status"], j["error"])
+                       for j in jobs]
+            summary = summarise(sweep_dir, members, swept)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            _write(sweep_dir / "summary.json", json.dumps(summary, indent=2))
+            _write(sweep_dir / "summary.md", to_markdown(summary))
+            print(f"\nloraflow: sweep of {len(members)} member(s) done; summary in {sweep_dir / 'summary.md'}")
+        except Exception as e:  # the members' results are on disk; a broken summary must not hide them
+            log.warning("sweep summary: not written (%s: %s)", type(e).__name__, e)
