@@ -2,3 +2,9 @@ import os
 
 # Our modules log to "loraflow"; let Prefect show those lines in its console and UI.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "loraflow")
+
+# The temporary local API (no PREFECT_API_URL) keeps its state in SQLite. Prefect's start-up telemetry
+# writes to it while migrations run, which under load fails with "database is locked" (and phones home,
+# which these machines cannot); a longer statement timeout rides out busy moments.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")

@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 _PREFECT_HOME = tempfile.mkdtemp(prefix="loraflow-prefect-")
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", os.path.join(_PREFECT_HOME, "storage"))
+import flows  # noqa: E402,F401  (its Prefect defaults: no start-up telemetry, longer SQLite timeout)
 
 import pytest  # noqa: E402
 
