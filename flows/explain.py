@@ -25,6 +25,7 @@ from tasks.config import ConfigError, compose, resolve_paths
 from tasks.dataset import DatasetError
 from tasks.hashing import changed_inputs, key_of
 from tasks.report import NODES
+from tasks.remote_store import open_store
 from tasks.store import Store
 
 USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError)  # as flows/train.py
@@ -62,7 +63,7 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
     of `config_name`. Raises the run's user errors (ConfigError, DatasetError, FileNotFoundError)."""
     cfg_node, _run_dir = compose(config_name, overrides)  # hydra.run.dir is accepted and ignored
     cfg = resolve_paths(cfg_node)
-    store = Store(cfg["store"]["root"])
+    store = open_store(cfg["store"])
     record = store.read_record(config_name)
     previous = (record or {}).get("inputs", {})
 

@@ -10,12 +10,12 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.hashing import key_of
-from tasks.store import Store
+from tasks.remote_store import open_store
 
 
 def _node_key(context, parameters) -> str:
-    # The store root is part of it: a cached result names files in that store.
-    return f"{context.task.name}-{parameters['key']}-{key_of(parameters['cfg']['store']['root'])[:16]}"
+    # The store (root and local working copy) is part of it: a cached result names files in that store.
+    return f"{context.task.name}-{parameters['key']}-{key_of(parameters['cfg']['store'])[:16]}"
 
 
 _cached = dict(cache_key_fn=_node_key, persist_result=True, result_serializer="json")
@@ -24,24 +24,24 @@ _cached = dict(cache_key_fn=_node_key, persist_result=True, result_serializer="j
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)
 def validate_task(cfg: dict) -> dict:
     # Never cached by Prefect: this is the node that looks at the files to find what changed.
-    return validate.run(cfg, Store(cfg["store"]["root"]))
+    return validate.run(cfg, open_store(cfg["store"]))
 
 
 @task(name="cache_latents", **_cached)
 def cache_latents_task(key: str, cfg: dict, plan: dict) -> dict:
-    return cache_latents.run(cfg, plan, Store(cfg["store"]["root"]))
+    return cache_latents.run(cfg, plan, open_store(cfg["store"]))
 
 
 @task(name="cache_text", **_cached)
 def cache_text_task(key: str, cfg: dict, plan: dict) -> dict:
-    return cache_text.run(cfg, plan, Store(cfg["store"]["root"]))
+    return cache_text.run(cfg, plan, open_store(cfg["store"]))
 
 
 @task(name="train", **_cached)
 def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> dict:
-    return train.run(cfg, plan, Store(cfg["store"]["root"]), latent_keys, text_keys)
+    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys)
 
 
 @task(name="sample", **_cached)
 def sample_task(key: str, cfg: dict, plan: dict, lora_key: str, lora_file: str, text_keys: dict) -> dict:
-    return sample.run(cfg, plan, Store(cfg["store"]["root"]), lora_key, lora_file, text_keys)
+    return sample.run(cfg, plan, open_store(cfg["store"]), lora_key, lora_file, text_keys)

@@ -23,6 +23,7 @@ from tasks.dataset import DatasetError
 from tasks.hashing import key_of
 from tasks.publish import publish
 from tasks.report import NODES, node_entry, write_report
+from tasks.remote_store import open_store
 from tasks.store import Store
 
 log = logging.getLogger("loraflow")
@@ -54,7 +55,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     cfg = resolve_paths(cfg_node)
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(cfg["store"]["root"])
+    store = open_store(cfg["store"])
     previous = (store.read_record(config_name) or {}).get("inputs", {})
 
     start = time.perf_counter()

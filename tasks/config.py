@@ -121,7 +121,10 @@ class ExportConfig:
 
 @dataclass
 class StoreConfig:
+    # A folder, or an fsspec URL (s3://bucket/loraflow, gs://..., memory://...) that machines share.
     root: str = ".loraflow/store"
+    # With a URL root: the local working copy (None: ~/.cache/loraflow/stores/<hash of the URL>).
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -188,8 +191,10 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict
     """Plain dict of the config with relative paths made absolute (against the caller's cwd)."""
     cwd = Path(cwd or os.getcwd())
     plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root")):
+    for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root"), ("store", "cache_dir")):
         value = plain[section][key]
+        if value is None or (section, key) == ("store", "root") and "://" in value:  # an fsspec URL
+            continue
         plain[section][key] = str((cwd / os.path.expanduser(value)).resolve())
     for key in ("path", "config"):  # a local path (else a hub id, kept as is)
         value = plain["model"].get(key)
