@@ -5,6 +5,8 @@ Prefect's hash of pickled inputs. Results are small JSON dicts (keys, counts, pa
 the store and Prefect never pickles them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -38,8 +40,9 @@ def cache_text_task(key: str, cfg: dict, plan: dict) -> dict:
 
 
 @task(name="train", **_cached)
-def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> dict:
-    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys)
+def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, log_dir: str | None = None) -> dict:
+    # log_dir (this run's TensorBoard folder) is not part of the key: where the curve goes changes no artifact.
+    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys, log_dir and Path(log_dir))
 
 
 @task(name="sample", **_cached)

@@ -18,16 +18,17 @@ from prefect import flow
 from flows.artifacts import publish_artifacts
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, sample, train, validate
+from tasks.checkpoint_samples import all_valid
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.dataset import DatasetError
 from tasks.hashing import key_of
 from tasks.publish import publish
 from tasks.report import NODES, node_entry, write_report
 from tasks.remote_store import open_store
-from tasks.store import Store
+from tasks.store import Store, StoreFull, track_repairs
 
 log = logging.getLogger("loraflow")
-USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError, StoreFull)
 _KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "train": train.KIND,
           "sample": sample.KIND}
 
@@ -40,7 +41,7 @@ def _run(task, store: Store, **params) -> dict:
     result = state.result()
     if state.name == "Cached":
         kind, keys = _KINDS[task.name], set(result["items"].values())
-        if all(store.valid(kind, k) for k in keys):
+        if all(store.valid(kind, k) for k in keys) and all_valid(store, result.get("checkpoint_samples", {})):
             result = {**result, "computed": 0, "reused": len(keys), "repaired": []}
         else:
             log.warning("%s: Prefect's cached result names artifacts the store lacks; recomputing", task.name)
@@ -55,6 +56,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     cfg = resolve_paths(cfg_node)
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    repaired = track_repairs()  # every corrupt entry/record found (and recomputed) in this run, for the report
     store = open_store(cfg["store"])
     previous = (store.read_record(config_name) or {}).get("inputs", {})
 
@@ -67,17 +69,20 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan)
     texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan)
     lora = _run(train_task, store, key=train.key_of_node(cfg, plan, latents["items"], texts["items"]), cfg=cfg,
-                plan=plan, latent_keys=latents["items"], text_keys=texts["items"])
+                plan=plan, latent_keys=latents["items"], text_keys=texts["items"], log_dir=str(run_dir / "tensorboard"))
     samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,
                    plan=plan, lora_key=lora["key"], lora_file=lora["lora"], text_keys=texts["items"])
 
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
-              "artifacts": {**artifacts, "base_model": plan["model_dir"]},
+              "artifacts": {**artifacts, "base_model": plan["model_dir"],
+                            # the steps trained in this run (none when the train node was cached)
+                            **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
-              "memory_estimate": plan["memory"],
+              "memory_estimate": plan["memory"], "dataset": plan["dataset"],
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
+    report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
@@ -89,21 +94,50 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     return {"report": str(path), "run_dir": str(run_dir), "flow_run_id": str(flow_run.id)}
 
 
+def check_config_only(config_name: str, overrides: list[str]) -> None:
+    """The config checks that read no file and load no model; ConfigError naming every bad key."""
+    errors = validate.config_errors(resolve_paths(compose(config_name, overrides)[0]))
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def _stop_on_bad_config() -> None:
+    """A single run's bad override (misspelt key, wrong type, syntax, bad value) stops here, before Hydra
+    and Prefect's API start: exit 2 and one message naming the key, no traceback. Anything but a plain
+    run of conf/ (-m, --cfg, --help, -cp/-cd) is left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args()
+    if any((args.multirun, args.cfg, args.help, args.hydra_help, args.info, args.shell_completion, args.config_path,
+            args.config_dir, args.experimental_rerun, args.package, args.resolve)):
+        return
+    try:
+        check_config_only(args.config_name or "train", args.overrides)
+    except ConfigError as e:
+        print(f"loraflow: stopped before training: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _hydra_main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    _stop_on_bad_config()
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
         for noisy in ("httpx", "httpcore"):  # Hydra's job logging turns on INFO for every library
             logging.getLogger(noisy).setLevel(logging.WARNING)
         hc = HydraConfig.get()
-        overrides = [*hc.overrides.task, f"hydra.run.dir={hc.runtime.output_dir}"]
+        # Unresolved: iterating the ListConfig would resolve a "train.lr=${...}" override's text here.
+        overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
         try:
+            check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
-            print(f"\nloraflow: stopped before training: {e}", file=sys.stderr)
+            print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
             if hc.mode == RunMode.MULTIRUN:
                 raise  # Hydra marks the member failed and runs the rest; the sweep summary lists it
             sys.exit(2)

@@ -7,7 +7,7 @@ import torch
 
 from tasks.dataset import image_to_tensor, load_image
 from tasks.hashing import key_of
-from tasks.items import check_items, chunks, node_result
+from tasks.items import check_items, chunks, node_result, prefetch, progress
 from tasks.models import make_adapter
 from tasks.store import Store
 
@@ -36,6 +36,11 @@ def inputs(cfg: dict, plan: dict) -> dict:
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
 # (CPU kernels are not batch-invariant), so a resumed or partial run yields the same bytes.
+def _pixels(batch: list[dict], size) -> torch.Tensor:
+    pixels = torch.stack([image_to_tensor(load_image(it["image"]), *it.get("size", size)) for it in batch])
+    return pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
+
+
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, keys.values())
@@ -44,8 +49,9 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         vae = adapter.load_vae()
-        for batch in chunks(todo, batch_size):
-            pixels = torch.stack([image_to_tensor(load_image(it["image"]), *it.get("size", plan["size"])) for it in batch])
+        batches = list(chunks(todo, batch_size))
+        pixels_of = lambda batch: _pixels(batch, plan["size"])  # noqa: E731
+        for batch, pixels in progress(zip(batches, prefetch(pixels_of, batches)), "cache_latents", len(batches)):
             latents = adapter.encode_latents(vae, pixels)
             for it, z in zip(batch, latents):
                 store.put_tensors(KIND, keys[it["name"]], {"latents": z}, meta={"image": it["name"]})

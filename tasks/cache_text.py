@@ -5,7 +5,7 @@ import logging
 
 from tasks import augment
 from tasks.hashing import digest_text, key_of
-from tasks.items import check_items, chunks, node_result
+from tasks.items import check_items, chunks, node_result, progress
 from tasks.models import make_adapter
 from tasks.store import Store
 
@@ -72,7 +72,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         by_key = {keys[n]: t for n, t in texts.items()}
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         encoders = adapter.load_text_encoders()
-        for batch in chunks(status.missing, batch_size):
+        batches = list(chunks(status.missing, batch_size))
+        for batch in progress(batches, "cache_text", len(batches)):
             encoded = adapter.encode_text(encoders, [by_key[k] for k in batch])
             for k, tensors in zip(batch, encoded):
                 store.put_tensors(KIND, k, tensors, meta={"text": by_key[k]})

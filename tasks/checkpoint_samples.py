@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from tasks import cache_text, sample
+from tasks import cache_text, checkpoints, sample
 from tasks.hashing import key_of
 from tasks.prompts import read_prompts
 from tasks.store import Store
@@ -25,6 +25,31 @@ log = logging.getLogger("loraflow")
 # Called after each sample point with (step, rendered entries): tests use it to edit the prompts file
 # while training runs.
 AFTER_SAMPLE_POINT: list[Callable[[int, list[dict]], None]] = []
+
+
+def entry_keys(rendered: dict[str, list[dict]]) -> dict[int, list[str]]:
+    """step -> store keys of the samples rendered at that step (a stored LoRA's `checkpoint_samples`)."""
+    return {int(step): [Path(e["path"]).parent.name for e in entries] for step, entries in rendered.items()}
+
+
+def all_valid(store: Store, rendered: dict[str, list[dict]]) -> bool:
+    return all(store.valid(sample.KIND, k) for keys in entry_keys(rendered).values() for k in keys)
+
+
+def repair(store: Store, lora_kind: str, lora_key: str, trajectory: str, max_steps: int) -> bool:
+    """A stored LoRA is only whole with the samples rendered while it trained. If one fails verification,
+    the LoRA and the checkpoints from that step on are discarded (report: repaired), so training continues
+    from the checkpoint before it and renders that step again, to the same bytes. True if it did so."""
+    bad = [step for step, keys in entry_keys(store.meta(lora_kind, lora_key).get("checkpoint_samples", {})).items()
+           if not all(store.valid(sample.KIND, k) for k in keys)]
+    if not bad:
+        return False
+    log.warning("train: a sample rendered at step %d failed verification; training again from before it", min(bad))
+    for step in range(min(bad), max_steps + 1):
+        if store.exists(checkpoints.KIND, checkpoints.checkpoint_key(trajectory, step)):
+            store.discard(checkpoints.KIND, checkpoints.checkpoint_key(trajectory, step))
+    store.discard(lora_kind, lora_key)
+    return True
 
 
 class CheckpointSampler:

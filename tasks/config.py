@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -41,6 +42,9 @@ class DataConfig:
     resolution: float = 64
     resolution_type: str = "pixels"  # pixels | area (megapixels)
     missing_caption: str = "error"  # error | empty
+    # error: an unusable file (unreadable/too small image, non-UTF-8 caption, refused symlink) stops the run,
+    # every one listed; skip: such files are left out (listed in report.json 'dataset'), the rest trains.
+    bad_files: str = "error"
     caption_extension: str = ".txt"
     # Aspect-ratio buckets: each image trains at the bucket nearest its aspect (about the area of
     # data.resolution); every batch is drawn from one bucket.
@@ -83,6 +87,10 @@ class TrainConfig:
     # auto: continue from the latest stored checkpoint of the same trajectory (an interrupted run, or a
     # run whose max_steps grew); never: always start from step 0
     resume: str = "auto"
+    # >1: the train node runs under `accelerate launch` with this many processes (data parallel; each
+    # step's batch of train.batch_size is split across them). gloo on the CPU, one GPU each with CUDA.
+    num_processes: int = 1
+    log_with: str = "tensorboard"  # tensorboard: loss and lr in <run dir>/tensorboard | none
 
 
 @dataclass
@@ -162,18 +170,30 @@ def compose(config_name: str = "train", overrides: List[str] | None = None) -> t
     overrides = list(overrides or [])
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, OverrideParseException
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
         except HydraException as e:  # a misspelt key or wrong type: Hydra's message names the key
             cause = f" ({e.__cause__})" if e.__cause__ else ""
-            raise ConfigError(f"config {config_name!r} with overrides {overrides}: {e}{cause}") from e
-    run_dir = Path(str(cfg.hydra.run.dir))
+            # A syntax error ("mismatched input '='") names no key: say which override it is.
+            bad = f"override {e.override!r} is not valid override syntax: " if isinstance(e, OverrideParseException) else ""
+            raise ConfigError(f"config {config_name!r} with overrides {overrides}: {bad}{e}{cause}") from e
+    try:
+        run_dir = Path(str(cfg.hydra.run.dir))
+    except OmegaConfBaseException as e:  # hydra.run.dir=${nope}
+        raise _config_error(e) from e
     with _unlocked(cfg):
         del cfg["hydra"]
     return cfg, run_dir
+
+
+def _config_error(e: OmegaConfBaseException) -> ConfigError:
+    """OmegaConf's resolution error as a ConfigError that starts with the key."""
+    key = getattr(e, "full_key", None) or "config"
+    reason = str(getattr(e, "msg", None) or e).split("\n    full_key:")[0]
+    return ConfigError(f"{key}: {reason}")
 
 
 class _unlocked:
@@ -190,14 +210,23 @@ class _unlocked:
 def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict:
     """Plain dict of the config with relative paths made absolute (against the caller's cwd)."""
     cwd = Path(cwd or os.getcwd())
-    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root"), ("store", "cache_dir")):
-        value = plain[section][key]
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:  # train.lr=${nope}, a recursive or mistyped interpolation, data.dir=???
+        raise _config_error(e) from e
+    for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root"), ("store", "cache_dir"),
+                         ("model", "path"), ("model", "config")):
+        value = plain[section].get(key)
         if value is None or (section, key) == ("store", "root") and "://" in value:  # an fsspec URL
             continue
-        plain[section][key] = str((cwd / os.path.expanduser(value)).resolve())
-    for key in ("path", "config"):  # a local path (else a hub id, kept as is)
-        value = plain["model"].get(key)
-        if value and (cwd / os.path.expanduser(value)).exists():
-            plain["model"][key] = str((cwd / os.path.expanduser(value)).resolve())
+        try:  # a NUL byte or a name too long for the file system: a clear error, not OSError/ValueError
+            if "\x00" in value:
+                raise ValueError("embedded NUL character")
+            path = cwd / os.path.expanduser(value)
+            if section != "model":
+                plain[section][key] = str(path.resolve())
+            elif value and path.exists():  # a local path (else a hub id, kept as is)
+                plain[section][key] = str(path.resolve())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{section}.{key}={value[:200]!r}: not a usable path ({e})") from e
     return plain

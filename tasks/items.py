@@ -42,3 +42,25 @@ def node_result(key: str, items: dict[str, str], status: ItemStatus, inputs: dic
     """The small JSON a node returns to the flow (Prefect persists this, never tensors)."""
     return {"key": key, "items": items, "computed": len(status.missing), "reused": len(status.reused),
             "repaired": status.repaired, "inputs": inputs, **extra}
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """A progress bar on a terminal (tqdm; off when the output is not a TTY, e.g. a worker's log)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit="item", disable=None, leave=False)
+
+
+def prefetch(load, batches: list):
+    """load(batch) for each batch, the next one prepared in a thread while the caller computes on this
+    one: image decoding overlaps the VAE (PIL and torch release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not batches:
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(load, batches[0])
+        for nxt in batches[1:]:
+            ready, pending = pending.result(), pool.submit(load, nxt)
+            yield ready
+        yield pending.result()

@@ -47,6 +47,11 @@ _OPTIONS = {
 }
 _OPTION_RE = re.compile(r"([A-Za-z]+)(?:\s+(.*))?$", re.S)
 _INT_RE = re.compile(r"[+-]?\d+")
+# Upper bounds of what the samplers can run (check_config uses the same for sample.*): the DDIM scheduler
+# (tiny_sd15) refuses more steps than its 1000 training timesteps; torch.Generator.manual_seed takes
+# 0..2**64-1; a side above 16384 px is no image any family renders (and 10**30 overflows tensor shapes).
+MAX_SIDE, MAX_STEPS, MAX_SEED = 16384, 1000, 2**64 - 1
+_MAX = {"w": MAX_SIDE, "h": MAX_SIDE, "s": MAX_STEPS, "d": MAX_SEED}
 
 
 def _convert(value: str, kind: str, opt: str, line: int):
@@ -58,11 +63,17 @@ def _convert(value: str, kind: str, opt: str, line: int):
         # Strict pattern: int() would also accept "1_000".
         if not _INT_RE.fullmatch(value):
             raise PromptLineError(line, f"option --{opt} expects an integer, got {value!r}", opt)
-        n = int(value)
+        try:
+            n = int(value)
+        except ValueError:  # over 4300 digits (Python's int-parsing limit)
+            raise PromptLineError(line, f"option --{opt}: a {len(value)}-digit number is out of range", opt) from None
         if kind == "positive int" and n <= 0:
             raise PromptLineError(line, f"option --{opt} must be a positive integer, got {n}", opt)
         if kind == "seed" and n < 0:
             raise PromptLineError(line, f"option --{opt} (seed) must be >= 0, got {n}", opt)
+        if n > _MAX[opt]:
+            shown = value if len(value) <= 30 else f"{value[:20]}... ({len(value)} digits)"
+            raise PromptLineError(line, f"option --{opt} must be at most {_MAX[opt]}, got {shown}", opt)
         return n
     try:
         x = float(value)
@@ -78,6 +89,8 @@ def parse_prompt_line(text: str, line: int) -> SamplePrompt | None:
     text = text.strip()
     if not text or text.startswith("#"):
         return None
+    if "\x00" in text:
+        raise PromptLineError(line, "contains a NUL character (a binary or UTF-16 file? save it as UTF-8 text)")
     # Leading space so a line that starts with "--w 64" yields an empty prompt, not prompt "--w 64".
     prompt, *parts = (" " + text).split(" --")
     prompt = prompt.strip()
@@ -109,6 +122,12 @@ def read_prompts(path) -> tuple[list[SamplePrompt], list[str]]:
     raw = path.read_bytes()
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
+    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 (Windows "Unicode"): as UTF-8 every line is NUL-riddled
+        try:
+            raw = raw.decode("utf-16").encode("utf-8")
+        except UnicodeDecodeError as e:
+            return [], [f"{path}: starts with a UTF-16 byte-order mark but is not valid UTF-16 (byte {e.start}); "
+                        f"no prompts read; save it as UTF-8"]
     prompts: list[SamplePrompt] = []
     warnings: list[str] = []
     for n, chunk in enumerate(raw.splitlines(), start=1):

@@ -10,7 +10,7 @@ from PIL import Image
 
 from tasks import cache_text
 from tasks.hashing import key_of
-from tasks.items import check_items, node_result
+from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
 from tasks.store import Store
 
@@ -66,7 +66,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         pipe = adapter.load_sampler(Path(lora_file))
         todo = set(status.missing)
-        for p in plan["prompts"]:
+        for p in progress(plan["prompts"], "sample"):
             key = keys[f"prompt:{p['line']}"]
             if key not in todo:
                 continue

@@ -3,24 +3,50 @@
 Layout: ``<root>/<kind>/<key[:2]>/<key>/`` holds one entry: ``data<ext>`` and ``manifest.json``
 (sha256 and size of the data, plus free metadata). An entry is written in ``<root>/tmp/`` and moved
 into place with one ``rename``: a crash or kill leaves only debris in ``tmp/``, never a half entry.
-Reads check the manifest's digest, so a truncated or flipped file is reported, never used.
+Reads check the manifest's digest, so a truncated or flipped file is reported, never used; the manifest
+carries a digest of itself and the data's format is checked too (a safetensors header, a PNG signature), so a
+file planted with a matching digest (a pickle, say) is refused as well. Every corrupt entry moved aside is
+noted for the run report (`track_repairs`). A full disk is a `StoreFull` error that names the store.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import struct
 import uuid
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.hashing import digest_file, digest_tree
+from tasks.hashing import digest_file, digest_text, digest_tree, key_of
 
 MANIFEST = "manifest.json"
+_MANIFEST_FIELDS = {"kind", "key", "file", "sha256", "size", "meta"}
+# Formats that unpickle (run code) when loaded: never part of a stored entry.
+_PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
+_PNG = b"\x89PNG\r\n\x1a\n"
+log = logging.getLogger("loraflow")
+_REPAIRS: ContextVar[list[str] | None] = ContextVar("loraflow_repairs", default=None)
+
+
+def track_repairs() -> list[str]:
+    """From now on in this context (a flow run and the tasks it calls), every corrupt entry, run record or
+    digest memo that is discarded is appended to the returned list as "kind/key"."""
+    repairs: list[str] = []
+    _REPAIRS.set(repairs)
+    return repairs
+
+
+def _note_repair(what: str) -> None:
+    repairs = _REPAIRS.get()
+    if repairs is not None and what not in repairs:
+        repairs.append(what)
 
 
 def _digest(data: Path) -> str:
@@ -36,6 +62,73 @@ def _size(data: Path) -> int:
 
 class CorruptArtifact(Exception):
     """A stored entry failed verification; callers recompute it."""
+
+
+class StoreFull(OSError):
+    """The disk under the store filled up while writing an entry (nothing partial was kept)."""
+
+
+def _disk_full(e: BaseException) -> bool:
+    # safetensors reports an I/O error as SafetensorError("... No space left on device (os error 28)")
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "No space left on device" in str(e) or "os error 28" in str(e)
+
+
+def _manifest_check(manifest: dict) -> str:
+    return key_of({k: v for k, v in manifest.items() if k != "check"})
+
+
+def _read_manifest(entry: Path) -> dict:
+    """The parsed manifest, after its self-check (a manifest written before the check existed has exactly the
+    base fields); CorruptArtifact when it is unreadable or altered, FileNotFoundError when missing."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_bytes())
+        fields = set(manifest)
+        if fields != _MANIFEST_FIELDS and fields != _MANIFEST_FIELDS | {"check"}:
+            raise ValueError(f"unexpected fields {sorted(fields ^ _MANIFEST_FIELDS)}")
+        if "check" in manifest and manifest["check"] != _manifest_check(manifest):
+            raise ValueError("the manifest's own digest does not match")
+        return manifest
+    except FileNotFoundError:
+        raise
+    except (ValueError, TypeError, AttributeError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptArtifact(f"{entry}: unreadable manifest ({e})") from e
+
+
+def _check_safetensors(path: Path) -> None:
+    """A safetensors header that parses and accounts for every byte of the file (a pickle never does)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if n is None or n > size - 8:
+            raise CorruptArtifact(f"{path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+            end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise CorruptArtifact(f"{path}: not a safetensors file (bad header: {e})") from e
+    if 8 + n + end != size:
+        raise CorruptArtifact(f"{path}: not a safetensors file (header and size disagree)")
+
+
+def _check_format(data: Path) -> None:
+    """The data's format, beyond its digest: a file planted with a matching manifest is refused, never loaded."""
+    files = sorted(p for p in data.rglob("*") if p.is_file()) if data.is_dir() else [data]
+    for f in files:
+        if f.suffix in _PICKLE_SUFFIXES:
+            raise CorruptArtifact(f"{f}: a pickle-format file in a store entry (refused, never loaded)")
+        if f.suffix == ".safetensors":
+            _check_safetensors(f)
+        elif f.suffix == ".png":
+            with open(f, "rb") as fh:
+                if fh.read(8) != _PNG:
+                    raise CorruptArtifact(f"{f}: not a PNG file")
+        elif f.suffix == ".json" and not data.is_dir():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:
+                raise CorruptArtifact(f"{f}: not a JSON file ({e})") from e
 
 
 def _fsync_dir(path: Path) -> None:
@@ -63,47 +156,56 @@ class Store:
     def entry_dir(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 
-    def _data_path(self, entry: Path) -> Path:
-        manifest = json.loads((entry / MANIFEST).read_text())
-        return entry / manifest["file"]
+    def _full(self, what: str, e: BaseException) -> StoreFull:
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        return StoreFull(errno.ENOSPC, f"the disk is full: no space left on device while writing {what} into the "
+                         f"store {self.root} ({free}); nothing partial was kept. Free some space (or point store.root "
+                         f"at a bigger disk) and run again: finished items are reused ({e})")
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, kind: str, key: str, ext: str, write: Callable[[Path], None], meta: dict | None = None) -> Path:
         """Write an entry atomically. ``write(path)`` creates the data file at ``path``.
 
         Returns the final data path. If another writer committed the same key first, theirs is kept
-        (same key, same content) and ours is discarded."""
+        (same key, same content) and ours is discarded. A full disk raises StoreFull; either way nothing of
+        this write is left behind (no entry, no temp folder)."""
         final = self.entry_dir(kind, key)
         tmp = self.root / "tmp" / f"{kind}-{key[:16]}-{uuid.uuid4().hex}"
-        tmp.mkdir(parents=True)
+        data = tmp / f"data{ext}"
         try:
-            data = tmp / f"data{ext}"
+            tmp.mkdir(parents=True)
             write(data)
             for f in ([data] if data.is_file() else sorted(p for p in data.rglob("*") if p.is_file())):
                 with open(f, "rb+") as fh:
                     os.fsync(fh.fileno())
             manifest = {"kind": kind, "key": key, "file": data.name, "sha256": _digest(data),
                         "size": _size(data), "meta": meta or {}}
+            manifest = json.loads(json.dumps(manifest))  # the check covers what a reader will parse
+            manifest["check"] = _manifest_check(manifest)
             _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
             final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():
-                # A corrupt entry is moved aside first; a valid one means a concurrent writer won.
-                if self.valid(kind, key):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    return self._data_path(final)
-                self._discard(final)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not self.valid(kind, key):
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
+            for _ in range(3):
+                try:
+                    os.rename(tmp, final)  # fails while `final` holds an entry (ENOTEMPTY / EEXIST)
+                    break
+                except OSError:
+                    if self.valid(kind, key):  # a concurrent writer won: same key, same content
+                        return final / data.name
+                    self._discard(final)  # a corrupt entry is moved aside, then ours goes in
+            else:
+                raise OSError(f"{final}: could not commit the entry")
             _fsync_dir(final.parent)
-            return self._data_path(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            return final / data.name
+        except BaseException as e:
+            if _disk_full(e):
+                raise self._full(f"{kind} {key[:12]}", e) from e
             raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; debris otherwise
 
     def put_tensors(self, kind: str, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> Path:
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -122,17 +224,18 @@ class Store:
         """Path of the entry's data after checking size and digest; CorruptArtifact otherwise."""
         entry = self.entry_dir(kind, key)
         try:
-            manifest = json.loads((entry / MANIFEST).read_text())
+            manifest = _read_manifest(entry)
             data = entry / manifest["file"]
-            if manifest.get("key") != key:
-                raise CorruptArtifact(f"{entry}: manifest names another key")
+            if (manifest["key"], manifest["kind"]) != (key, kind) or Path(manifest["file"]).name != manifest["file"]:
+                raise CorruptArtifact(f"{entry}: manifest names another entry")
             if _size(data) != manifest["size"] or _digest(data) != manifest["sha256"]:
                 raise CorruptArtifact(f"{data}: content does not match its manifest digest")
+            _check_format(data)
             return data
         except FileNotFoundError as e:
             raise CorruptArtifact(f"{entry}: missing {Path(e.filename).name if e.filename else 'file'}") from e
         except (ValueError, KeyError, TypeError) as e:
-            raise CorruptArtifact(f"{entry}: unreadable manifest ({e})") from e
+            raise CorruptArtifact(f"{entry}: unreadable entry ({e})") from e
 
     def exists(self, kind: str, key: str) -> bool:
         return (self.entry_dir(kind, key) / MANIFEST).is_file()
@@ -145,7 +248,7 @@ class Store:
             return False
 
     def meta(self, kind: str, key: str) -> dict:
-        return json.loads((self.entry_dir(kind, key) / MANIFEST).read_text()).get("meta", {})
+        return _read_manifest(self.entry_dir(kind, key)).get("meta", {})
 
     def get_tensors(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         path = self.verify(kind, key)
@@ -169,44 +272,72 @@ class Store:
         except FileNotFoundError:
             return
         shutil.rmtree(trash, ignore_errors=True)
+        _note_repair(f"{entry.parent.parent.name}/{entry.name}")
 
     def discard(self, kind: str, key: str) -> None:
         self._discard(self.entry_dir(kind, key))
 
     # -- small mutable records (last run per config name) -----------------------------------------
+    def _write_small(self, path: Path, data: bytes, what: str) -> None:
+        """A small file replaced atomically (temp file, fsync, rename); StoreFull when the disk is full."""
+        tmp = self.root / "tmp" / f"{path.parent.name}-{uuid.uuid4().hex}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            _write_bytes(tmp, data)
+            os.replace(tmp, path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if _disk_full(e):
+                raise self._full(what, e) from e
+            raise
+
     def write_record(self, name: str, obj: Any) -> None:
-        path = self.root / "runs" / f"{name}.json"
-        path.parent.mkdir(exist_ok=True)
-        tmp = self.root / "tmp" / f"record-{uuid.uuid4().hex}.json"
-        _write_bytes(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
-        os.replace(tmp, path)
+        """The record carries the digest of its content: a torn or flipped one reads as no record."""
+        text = json.dumps(obj, indent=1, sort_keys=True)
+        body = json.dumps({"record": json.loads(text), "sha256": digest_text(text)}, indent=1, sort_keys=True)
+        self._write_small(self.root / "runs" / f"{name}.json", body.encode(), f"the run record {name}")
 
     def read_record(self, name: str) -> Any | None:
+        """The last run's record, or None: none yet, or a corrupt one (a warning; the run goes on as a first run)."""
         path = self.root / "runs" / f"{name}.json"
         try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
+            obj = json.loads(path.read_bytes())
+            if isinstance(obj, dict) and ("sha256" in obj or "record" in obj):
+                if set(obj) != {"record", "sha256"} or \
+                        digest_text(json.dumps(obj["record"], indent=1, sort_keys=True)) != obj["sha256"]:
+                    raise ValueError("its content does not match its digest")
+                return obj["record"]
+            if not isinstance(obj, dict):  # records written before the digest are plain dicts
+                raise ValueError("not a JSON object")
+            return obj
+        except FileNotFoundError:
+            return None
+        except ValueError as e:
+            log.warning("run record %s is corrupt (%s): treated as no previous run", path, e)
+            _note_repair(f"runs/{name}")
             return None
 
     # -- digests of big files (model weights), remembered by path, size and mtime like DVC does ---
     def file_digest(self, path: str | os.PathLike, min_size: int = 16 << 20) -> str:
-        from tasks.hashing import key_of
-
         path = Path(path).resolve()
         st = path.stat()
         if st.st_size < min_size:
             return digest_file(path)
         memo = self.root / "filedigests" / (key_of({"path": str(path), "size": st.st_size,
                                                     "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}) + ".txt")
-        try:
-            return memo.read_text().strip()
+        try:  # "<digest> <check>": a torn or flipped memo is recomputed, never used
+            parts = memo.read_text().split()
+            if len(parts) == 2 and len(parts[0]) == 64 and parts[1] == digest_text(parts[0])[:16]:
+                return parts[0]
+            if not (len(parts) == 1 and len(parts[0]) == 64):  # a memo from before the check: just redone
+                raise ValueError("check mismatch")
         except FileNotFoundError:
             pass
+        except (ValueError, UnicodeDecodeError):
+            log.warning("file digest memo %s is corrupt: digesting %s again", memo, path)
+            _note_repair(f"filedigests/{memo.stem}")
         digest = digest_file(path)
-        memo.parent.mkdir(exist_ok=True)
-        tmp = self.root / "tmp" / f"fd-{uuid.uuid4().hex}"
-        _write_bytes(tmp, digest.encode())
-        os.replace(tmp, memo)
+        self._write_small(memo, f"{digest} {digest_text(digest)[:16]}\n".encode(), f"a digest memo for {path}")
         return digest
 
 

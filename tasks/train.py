@@ -16,23 +16,29 @@ import torch
 from diffusers.optimization import get_scheduler
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
+from tqdm.auto import tqdm
 
-from tasks import augment, cache_latents, cache_text
+from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints
 from tasks.checkpoint_samples import CheckpointSampler
+from tasks.checkpoints import checkpoint_key, latest_checkpoint
+from tasks.checkpoints import load_checkpoint as _load_checkpoint
+from tasks.checkpoints import save_checkpoint as _save_checkpoint
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 
-CODE_VERSION = "3"  # 3: epoch order drawn from (seed, epoch), checkpoints and continuation
+CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
-CHECKPOINT_KIND = "checkpoints"
+CHECKPOINT_KIND = checkpoints.KIND
 log = logging.getLogger("loraflow")
 
 # Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
 # max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
 # (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
 _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
+# Settings that change nothing the node stores (where the loss curve is logged).
+_NOT_KEY = ("log_with",)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 
 
@@ -44,7 +50,7 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], "text.cache": cfg["text"]["cache"],
-            **{f"train.{k}": v for k, v in cfg["train"].items()}, **_augmentation(cfg), **_sampling(cfg), **pairs}
+            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}
 
 
 def _sampling(cfg: dict) -> dict:
@@ -67,24 +73,6 @@ def trajectory_key(node_inputs: dict, tc: dict) -> str:
     if tc["lr_scheduler"] not in SCHEDULES_WITHOUT_MAX_STEPS:
         keep["train.max_steps"] = tc["max_steps"]
     return key_of(keep)
-
-
-def checkpoint_key(trajectory: str, step: int) -> str:
-    return key_of({"trajectory": trajectory, "step": step})
-
-
-def latest_checkpoint(store: Store, trajectory: str, max_steps: int, discard: bool = True) -> int:
-    """The highest step <= max_steps with a valid stored checkpoint of this trajectory (0: none). A
-    checkpoint that fails verification is discarded (or, with discard=False, just skipped)."""
-    for step in range(max_steps, 0, -1):
-        key = checkpoint_key(trajectory, step)
-        if store.exists(CHECKPOINT_KIND, key):
-            if store.valid(CHECKPOINT_KIND, key):
-                return step
-            if discard:
-                log.warning("train: checkpoint at step %d failed verification; discarded", step)
-                store.discard(CHECKPOINT_KIND, key)
-    return 0
 
 
 def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
@@ -124,11 +112,26 @@ class _Captions:
         return self.memo[key]
 
 
-def seed_everything(seed: int) -> torch.Generator:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return torch.Generator("cpu").manual_seed(seed)
+
+
+def item_generators(seed: int, step: int, n: int) -> list[torch.Generator]:
+    """One CPU generator per batch position of a step: an item's caption variant, noise and timestep are a
+    function of (seed, step, position) only, so every process of a data-parallel run draws what a
+    single process draws for the same item, and a continued run draws what a straight run draws."""
+    return [torch.Generator("cpu").manual_seed(key_int(seed, "item", step, j)) for j in range(n)]
+
+
+def my_share(positions: int, rank: int, world: int) -> tuple[list[int], float]:
+    """The batch positions this process trains on and the weight of its mean loss, so that the sum over
+    processes of weight x gradient is the gradient of the whole batch's mean loss. A process left without
+    an item (a batch smaller than the number of processes) runs position 0 at weight 0: every process
+    must take part in the gradient exchange."""
+    mine = list(range(rank, positions, world))
+    return (mine, len(mine) / positions) if mine else ([0], 0.0)
 
 
 def batch_at(step: int, groups: list[list[int]], batch_size: int, seed: int) -> list[int]:
@@ -165,30 +168,6 @@ def _stack(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([d[k] for d in dicts]) for k in dicts[0]}
 
 
-def _save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, generator, step_losses,
-                     samples: dict) -> None:
-    """LoRA weights, AdamW state and RNG states as safetensors (no pickle); the losses so far as JSON."""
-    tensors = {"rng/generator": generator.get_state(), "rng/torch": torch.get_rng_state()}
-    for name, p in named.items():
-        tensors[f"lora/{name}"] = p.detach().clone()
-        for k, v in optimizer.state.get(p, {}).items():
-            tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
-    store.put_tensors(CHECKPOINT_KIND, key, tensors, meta={"step": step, "losses": step_losses, "samples": samples})
-
-
-def _load_checkpoint(store: Store, key: str, named: dict, optimizer, generator) -> dict:
-    tensors = store.get_tensors(CHECKPOINT_KIND, key)
-    with torch.no_grad():
-        for name, p in named.items():
-            p.copy_(tensors[f"lora/{name}"])
-            state = {k.rsplit("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"adam/{name}/")}
-            if state:
-                optimizer.state[p] = state
-    generator.set_state(tensors["rng/generator"])
-    torch.set_rng_state(tensors["rng/torch"])
-    return store.meta(CHECKPOINT_KIND, key)
-
-
 def logged_losses(step_losses: list[float], every: int) -> list[dict]:
     """Mean loss per window of `every` steps (and the last, partial one), as the log prints them."""
     return [{"step": min(i + every, len(step_losses)), "loss": sum(w) / len(w)}
@@ -200,14 +179,17 @@ def _duration(seconds: float) -> str:
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
-def make_accelerator(mixed_precision: str):
-    """accelerate's Accelerator for this run's precision and device. Its state is process-wide and
-    refuses a different precision once set, so each training run starts it afresh."""
+def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
+    """accelerate's Accelerator for this run's precision, device and processes (under `accelerate launch`
+    it joins the process group: gloo on the CPU, nccl on GPUs). Its state is process-wide and refuses a
+    different precision once set, so each training run starts it afresh. With `log_dir`, losses go to
+    TensorBoard through accelerate's tracker."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                       log_with="tensorboard" if log_dir else None, project_dir=str(log_dir) if log_dir else None)
 
 
 def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
@@ -246,17 +228,21 @@ def prepare_denoiser(adapter, cfg: dict):
 
 
 def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
-               trajectory: str) -> dict:
-    """The training loop, top to bottom. Returns the LoRA file, per-step losses, the step it continued
-    from, and the samples rendered during training."""
+               trajectory: str, log_dir: Path | None = None) -> dict:
+    """The training loop, top to bottom. Runs as one process or as each of `train.num_processes` (data
+    parallel: every step's batch is split across processes, gradients summed with the loss weights of
+    `my_share`). Returns the LoRA file, per-step losses, the step it continued from, and the samples
+    rendered during training (the main process's view; the others return None)."""
     tc = cfg["train"]
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
     latents = [store.get_tensors(cache_latents.KIND, latent_keys[n])["latents"] for n in names]
     texts = _Captions(cfg, plan, store, adapter, text_keys)
 
-    generator = seed_everything(int(tc["seed"]))
-    accelerator = make_accelerator(tc["mixed_precision"])
+    seed = int(tc["seed"])
+    seed_everything(seed)
+    accelerator = make_accelerator(tc["mixed_precision"], log_dir if tc["log_with"] == "tensorboard" else None)
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     denoiser, named = prepare_denoiser(adapter, cfg)
     params = list(named.values())
     denoiser.to(accelerator.device)
@@ -267,10 +253,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     sampler = CheckpointSampler(cfg, plan, store, adapter)
     step_losses, start = [], 0
-    if tc["resume"] == "auto":
-        start = latest_checkpoint(store, trajectory, tc["max_steps"])
+    if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
+        start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
-        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, generator)
+        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer)
         step_losses = list(restored["losses"])
         sampler.rendered = {k: v for k, v in restored.get("samples", {}).items() if sampler.due(int(k))}
         with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
@@ -282,20 +268,30 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     denoiser.train()
     batch_size, window = min(tc["batch_size"], len(names)), []
-    log.info("train: %d steps, %d images, batch %d, rank %d, lr %g, %d trainable parameters",
-             tc["max_steps"], len(names), tc["batch_size"], tc["rank"], tc["lr"], sum(p.numel() for p in params))
+    if main:
+        log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g, %d trainable parameters",
+                 tc["max_steps"], len(names), tc["batch_size"], f" over {world} processes" if world > 1 else "",
+                 tc["rank"], tc["lr"], sum(p.numel() for p in params))
+        accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
     groups = buckets_of(latents)
-    if len(groups) > 1:
+    if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
                  ", ".join(f"{tuple(latents[g[0]].shape[-2:])}: {len(g)}" for g in groups))
+    progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
     t0 = time.perf_counter()
     for step in range(start + 1, tc["max_steps"] + 1):
-        idx = batch_at(step, groups, batch_size, int(tc["seed"]))
-        batch_latents = torch.stack([latents[i] for i in idx]).to(accelerator.device, adapter.dtype)
-        text = {k: v.to(accelerator.device) for k, v in _stack([texts.get(i, step, generator) for i in idx]).items()}
+        idx = batch_at(step, groups, batch_size, seed)
+        mine, weight = my_share(len(idx), rank, world)
+        gens = item_generators(seed, step, len(idx))
+        batch_latents = torch.stack([latents[idx[j]] for j in mine]).to(accelerator.device, adapter.dtype)
+        text = _stack([texts.get(idx[j], step, gens[j]) for j in mine])
+        text = {k: v.to(accelerator.device) for k, v in text.items()}
         with accelerator.autocast():
-            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, generator)
-        accelerator.backward(loss)
+            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, [gens[j] for j in mine])
+        accelerator.backward(loss * weight)
+        if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
+            _sum_gradients(accelerator, params)
+            loss = accelerator.reduce(loss.detach() * weight, reduction="sum")
         if tc["max_grad_norm"] > 0:
             accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()
@@ -303,32 +299,63 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         optimizer.zero_grad(set_to_none=True)
         step_losses.append(loss.item())
         window.append(step_losses[-1])
-        if step % tc["log_every"] == 0 or step == tc["max_steps"]:
+        accelerator.log({"loss": step_losses[-1], "lr": lr_schedule.get_last_lr()[0]}, step=step)
+        progress.update()
+        progress.set_postfix(loss=f"{step_losses[-1]:.4f}", refresh=False)
+        if (step % tc["log_every"] == 0 or step == tc["max_steps"]) and main:
             rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
             log.info("train: step %4d/%d  loss %.4f  lr %.2e  %.2f it/s  ETA %s", step, tc["max_steps"],
                      sum(window) / len(window), lr_schedule.get_last_lr()[0], rate,
                      _duration((tc["max_steps"] - step) / rate))
             window = []
-        if sampler.due(step):
+        if sampler.due(step) and main:
             sampler(step, denoiser, checkpoint_key(trajectory, step))
         every = tc["save_every_n_steps"]
-        if (every and step % every == 0) or step == tc["max_steps"]:
-            _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, generator, step_losses,
+        if ((every and step % every == 0) or step == tc["max_steps"]) and main:
+            _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, step_losses,
                              sampler.rendered)
-
-    lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, denoiser.peft_config["default"].to_dict())
+        accelerator.wait_for_everyone()
+    progress.close()
+    accelerator.end_training()
+    if not main:
+        return None
+    # peft keeps target_modules as a set: sorted, or its order (hence the file's bytes) changes per process
+    config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v
+              for k, v in denoiser.peft_config["default"].to_dict().items()}
+    lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
     return {"lora": lora, "step_losses": step_losses, "continued_from_step": start,
             "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings}
 
 
-def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict) -> dict:
+def _sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
+    """One all-reduce of every LoRA gradient (the LoRA is small; no DDP wrapper, so the adapters keep
+    calling the model itself and reading its config)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = accelerator.reduce(flat, reduction="sum")
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
+
+
+def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, log_dir: Path | None = None) -> dict:
+    """The train node: the stored LoRA for this key, or a new one trained in this process or, with
+    `train.num_processes` > 1, under `accelerate launch` (tasks/distributed.py). `log_dir` receives the
+    TensorBoard logs of the steps trained in this run."""
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
     key = key_of(node_inputs)
     status = check_items(store, KIND, [key])
+    if status.reused and checkpoint_samples.repair(store, KIND, key, trajectory_key(node_inputs, cfg["train"]),
+                                                   cfg["train"]["max_steps"]):
+        status.reused, status.missing, status.repaired = [], [key], [key]
     resumed = None
     if status.missing:
+        trajectory = trajectory_key(node_inputs, cfg["train"])
         with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
-            out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory_key(node_inputs, cfg["train"]))
+            if cfg["train"]["num_processes"] > 1:
+                from tasks.distributed import launch_training
+
+                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
+            else:
+                out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
             canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
             store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
         resumed = out["continued_from_step"] or None

@@ -4,12 +4,14 @@ Everything that is wrong is collected and reported at once (file or key, reason,
 downstream runs. Its output, the *plan*, is small JSON: digests and names, never tensors."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import Counter
 from pathlib import Path
 
 from tasks import augment, memory
 from tasks.config import ConfigError
-from tasks.dataset import validate_dataset
+from tasks.dataset import SHARED_CAPTION, SKIPPED, check_dataset
 from tasks.hashing import digest_file, key_of
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
@@ -24,9 +26,9 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
-            ("train", "mixed_precision"): ("no", "bf16", "fp16")}
+            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
-             ("train", "log_every"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
+             ("train", "log_every"), ("train", "num_processes"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
 
 def check_config(cfg: dict) -> list[str]:
@@ -37,7 +39,11 @@ def check_config(cfg: dict) -> list[str]:
     for section, key in _POSITIVE:
         if not cfg[section][key] > 0:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be greater than 0")
-    errors += _check_device(cfg)
+    errors += _check_device(cfg) + _check_ranges(cfg)
+    n, batch = cfg["train"]["num_processes"], cfg["train"]["batch_size"]
+    if isinstance(n, int) and isinstance(batch, int) and n > max(batch, 1):
+        errors.append(f"train.num_processes={n} with train.batch_size={batch}: each step's batch is split across "
+                      f"the processes; use train.batch_size={n} or more, or fewer processes")
     if not cfg["data"]["bucket_max_aspect"] >= 1:
         errors.append(f"data.bucket_max_aspect={cfg['data']['bucket_max_aspect']!r}: must be at least 1 (e.g. 2.0)")
     for section, key in (("sample", "every_n_steps"), ("train", "save_every_n_steps")):
@@ -45,6 +51,59 @@ def check_config(cfg: dict) -> list[str]:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be 0 (off) or a number of steps")
     if cfg["data"]["missing_caption"] not in ("error", "empty"):
         errors.append(f"data.missing_caption={cfg['data']['missing_caption']!r}: choose error or empty")
+    if cfg["data"]["bad_files"] not in ("error", "skip"):
+        errors.append(f"data.bad_files={cfg['data']['bad_files']!r}: choose error (stop, list them) or skip "
+                      "(leave them out, train the rest)")
+    return errors
+
+
+def _check_ranges(cfg: dict) -> list[str]:
+    """Numbers that compose types but nothing above bounds (nan, inf, out of range), each bound being what
+    a later stage needs; a value past it would crash that stage, hang, or train/sample nonsense."""
+    import math
+
+    from tasks.prompts import MAX_SEED, MAX_SIDE, MAX_STEPS
+
+    def finite(v):
+        return isinstance(v, int) or math.isfinite(v)
+
+    rules = [  # (section, key, ok(value), the rule as the message states it); null passes where the schema allows
+        ("train", "lr", finite, "a finite number > 0"),
+        ("train", "seed", lambda v: 0 <= v <= 2**32 - 1, "in 0..2**32-1 (numpy's seed range)"),
+        ("train", "alpha", lambda v: finite(v) and v > 0, "a finite number > 0, or null (alpha = rank)"),
+        ("train", "weight_decay", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("train", "warmup_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
+        ("train", "max_grad_norm", finite, "a finite number (0 or less: no clipping)"),
+        ("train", "logit_mean", finite, "a finite number"),
+        ("train", "logit_std", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        # SD3's mode density keeps timesteps in [0, 1] only for scales in [-1, 2/(pi-2)]
+        ("train", "mode_scale", lambda v: finite(v) and -1 <= v <= 2 / (math.pi - 2), "in [-1, 1.75]"),
+        ("train", "guidance", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
+        ("data", "bucket_max_aspect", finite, "a finite number >= 1"),
+        ("model", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
+        # FluxPipeline and StableDiffusion3Pipeline refuse a T5 length above 512
+        ("model", "max_sequence_length", lambda v: v <= 512, "at most 512"),
+        # DDIM (sd15) refuses more steps than its 1000 training timesteps
+        ("sample", "steps", lambda v: v <= MAX_STEPS, f"at most {MAX_STEPS}"),
+        ("sample", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
+        ("sample", "cfg", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("sample", "true_cfg", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("sample", "width", lambda v: v <= MAX_SIDE, f"at most {MAX_SIDE} pixels"),
+        ("sample", "height", lambda v: v <= MAX_SIDE, f"at most {MAX_SIDE} pixels"),
+        # every variant of every caption is encoded and stored
+        ("text", "variants", lambda v: not isinstance(v, int) or v <= 1000,
+         "at most 1000 (for a new draw every step: text.fresh_draws=true)"),
+    ]
+    area = cfg["data"]["resolution_type"] == "area"
+    most = MAX_SIDE**2 / 2**20 if area else MAX_SIDE
+    rules.append(("data", "resolution", lambda v: finite(v) and v <= most,
+                  f"a finite number, at most {most:g} {'megapixels' if area else 'pixels'}"))
+    errors = []
+    for section, key, ok, rule in rules:
+        v = cfg[section].get(key)
+        if v is not None and not ok(v):
+            errors.append(f"{section}.{key}={v!r}: must be {rule}")
     return errors
 
 
@@ -95,10 +154,14 @@ def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dic
     return planned, warnings
 
 
-def run(cfg: dict, store: Store) -> dict:
+def config_errors(cfg: dict) -> list[str]:
+    """Every error of the config alone (no file read, no model loaded), each naming its key: what the CLI
+    checks before Prefect's API starts, and run() first."""
     errors = check_config(cfg)
-    family = cfg["model"]["family"]
-    adapter_cls = adapter_class(family)
+    try:
+        adapter_cls = adapter_class(cfg["model"]["family"])
+    except ConfigError as e:
+        return errors + [str(e)]
     errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
@@ -106,12 +169,27 @@ def run(cfg: dict, store: Store) -> dict:
         errors.append(f"text.offload_encoders=true with {why}: {why.split('=')[0]} encodes captions in the train node, "
                       f"which needs the text encoders loaded; drop one of the two (with text.cache=true and "
                       f"text.fresh_draws=false, augmentations use cached variants: text.variants=N)")
+    if not errors:
+        try:
+            resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
+        except ConfigError as e:
+            errors.append(str(e))
+    return errors
+
+
+def run(cfg: dict, store: Store) -> dict:
+    errors = config_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    family = cfg["model"]["family"]
+    adapter_cls = adapter_class(family)
     size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
 
-    items = validate_dataset(cfg["data"]["dir"], cfg["data"]["missing_caption"], cfg["data"]["caption_extension"])
+    dc = cfg["data"]
+    checked = check_dataset(dc["dir"], dc["missing_caption"], dc["caption_extension"], dc["bad_files"])
+    items, dataset = checked.items, [dataclasses.asdict(f) for f in checked.findings]
     prompts, warnings = read_prompts(cfg["sample"]["prompts_file"])
+    warnings = _dataset_warnings(dataset) + warnings
     plan_prompts, size_warnings = planned_prompts(prompts, cfg["sample"]["prompts_file"], adapter_cls.size_multiple)
     warnings += size_warnings
     for w in warnings:
@@ -145,7 +223,28 @@ def run(cfg: dict, store: Store) -> dict:
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(plan_items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
-            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate}
+            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
+            "dataset": dataset}
+
+
+def _dataset_warnings(dataset: list[dict]) -> list[str]:
+    """Log each file left out and one summary line; warn (report) about what changes the training set."""
+    for f in dataset:
+        if f["policy"] == SKIPPED:
+            log.warning("data: %s: %s (skipped, data.bad_files=skip)", f["file"], f["reason"])
+    if dataset:
+        counts = Counter(f["policy"] for f in dataset)
+        log.info("validate: dataset notes for %d file(s) (report.json 'dataset'): %s", len({f["file"] for f in dataset}),
+                 "; ".join(f"{policy}: {n}" for policy, n in sorted(counts.items())))
+    warnings = []
+    skipped = sorted({f["file"] for f in dataset if f["policy"] == SKIPPED})
+    if skipped:
+        warnings.append(f"data: {len(skipped)} file(s) left out by data.bad_files=skip: {', '.join(skipped)}")
+    shared = [f["file"] for f in dataset if f["policy"] == SHARED_CAPTION]
+    if shared:
+        warnings.append(f"data: images with the same stem share one caption file, each trained with it: "
+                        f"{', '.join(shared)}")
+    return warnings
 
 
 def inputs(plan: dict) -> dict:

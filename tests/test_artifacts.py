@@ -1,7 +1,10 @@
 """Each run leaves Prefect artifacts: a markdown summary of the report, the loss table, LoRA and grid links."""
 from __future__ import annotations
 
+from pathlib import Path
 from uuid import UUID
+
+import pytest
 
 
 def test_run_publishes_artifacts(workspace):
@@ -19,3 +22,19 @@ def test_run_publishes_artifacts(workspace):
             "loraflow-samples"} <= set(by_key)
     summary = by_key["loraflow-report"].data
     assert "| train | ran |" in summary and "cache_latents" in summary and "report.json" in summary
+
+
+
+def test_training_logs_loss_to_tensorboard(workspace):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = workspace.run("train.seed=22", "train.max_steps=6")
+    assert report["nodes"]["train"]["status"] == "ran"
+    event_file = next(Path(report["artifacts"]["tensorboard"]).rglob("events.out.tfevents.*"))
+    events = EventAccumulator(str(event_file.parent))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 7))
+    assert "lr" in events.Tags()["scalars"]
+    # the per-step losses the report's windows (log_every=4) are made of
+    values = [e.value for e in events.Scalars("loss")]
+    assert report["loss"][0]["loss"] == pytest.approx(sum(values[:4]) / 4, rel=1e-5)

@@ -47,7 +47,7 @@ def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, tmp_path):
         text = {k: v[None] for k, v in adapter.encode_text(adapter.load_text_encoders(), ["a red circle"])[0].items()}
         train_cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
         loss = adapter.training_loss(denoiser, latents, text, train_cfg, adapter.load_train_scheduler(),
-                                     torch.Generator().manual_seed(0))
+                                     [torch.Generator().manual_seed(0)])
         loss.backward()
     finally:
         torch.nn.functional.embedding = embedding

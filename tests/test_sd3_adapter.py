@@ -14,6 +14,7 @@ from peft import LoraConfig  # noqa: E402
 
 from tasks.models.sd3 import SD3Adapter  # noqa: E402
 from tasks.models.tiny_families import build_tiny_sd3  # noqa: E402
+from tasks.train import item_generators  # noqa: E402
 
 SEQ = 32
 TRAIN = dict(weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
@@ -54,7 +55,7 @@ def test_training_loss_is_seeded_and_trains_only_lora(adapter, encoders):
                                        target_modules=adapter.default_lora_targets()))
 
     def loss(seed):
-        return adapter.training_loss(transformer, latents, text, TRAIN, scheduler, torch.Generator().manual_seed(seed))
+        return adapter.training_loss(transformer, latents, text, TRAIN, scheduler, item_generators(seed, 1, len(latents)))
 
     a, b, c = loss(0), loss(0), loss(1)
     assert torch.equal(a, b) and not torch.equal(a, c) and torch.isfinite(a)

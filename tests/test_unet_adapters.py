@@ -17,6 +17,7 @@ from peft.utils import get_peft_model_state_dict  # noqa: E402
 from tasks.models.sd15 import SD15Adapter  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
 from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.train import item_generators  # noqa: E402
 
 FAMILIES = {"sdxl": (SDXLAdapter, build_tiny_sdxl, 64), "sd15": (SD15Adapter, build_tiny_sd15, 32)}
 
@@ -68,7 +69,7 @@ def test_training_loss_is_seeded_and_trains_only_lora(adapter, encoders):
     unet = _lora_unet(adapter)
 
     def loss(seed):
-        return adapter.training_loss(unet, latents, text, {}, scheduler, torch.Generator().manual_seed(seed))
+        return adapter.training_loss(unet, latents, text, {}, scheduler, item_generators(seed, 1, len(latents)))
 
     a, b, c = loss(0), loss(0), loss(1)
     assert torch.equal(a, b) and not torch.equal(a, c) and torch.isfinite(a)
@@ -86,7 +87,7 @@ def test_v_prediction_changes_the_target(adapter, encoders):
     eps = adapter.load_train_scheduler()
     v = DDPMScheduler.from_config(eps.config, prediction_type="v_prediction")
     with torch.no_grad():
-        le, lv = (adapter.training_loss(unet, latents, text, {}, s, torch.Generator().manual_seed(0)) for s in (eps, v))
+        le, lv = (adapter.training_loss(unet, latents, text, {}, s, item_generators(0, 1, len(latents))) for s in (eps, v))
     assert torch.isfinite(lv) and not torch.equal(le, lv)
 
 

@@ -101,7 +101,8 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def training_loss(self, denoiser, latents: torch.Tensor, text: dict[str, torch.Tensor], train_cfg: dict,
-                      scheduler, generator: torch.Generator) -> torch.Tensor: ...
+                      scheduler, generators: list[torch.Generator]) -> torch.Tensor:
+        """Mean loss over the batch; every random draw for item i comes from generators[i]."""
 
     @abstractmethod
     def load_train_scheduler(self) -> Any: ...

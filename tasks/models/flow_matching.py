@@ -5,15 +5,17 @@ import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 
-def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generator: torch.Generator):
-    """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density, all randomness
-    from `generator` so a seed fixes the whole run."""
+def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators: list[torch.Generator]):
+    """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density. One generator per
+    batch item (see tasks/train.py: item_generators), so an item's draws are the same however the batch
+    is split across processes, and a seed fixes the whole run."""
     b = latents.shape[0]
-    # The CPU generator fills CPU tensors, which then move to the latents' device: same draws on any machine.
-    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=train_cfg["weighting_scheme"], batch_size=b, logit_mean=train_cfg["logit_mean"],
-        logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=generator)
+    # CPU generators fill CPU tensors, which then move to the latents' device: same draws on any machine.
+    noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generators])
+    noise = noise.to(latents.device)
+    u = torch.cat([compute_density_for_timestep_sampling(
+        weighting_scheme=train_cfg["weighting_scheme"], batch_size=1, logit_mean=train_cfg["logit_mean"],
+        logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=g) for g in generators])
     indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
     sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, 1, 1, 1)
     timesteps = scheduler.timesteps[indices].to(latents.device)

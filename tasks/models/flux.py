@@ -27,25 +27,27 @@ class FluxAdapter(FamilyAdapter):
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
+        # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
         # The distribution's mode, not a sample: the cached item is then a pure function of its inputs.
-        z = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
         return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS)
+        return FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
 
     @torch.no_grad()
     def encode_text(self, pipe, texts):
-        embeds, pooled, _ = pipe.encode_prompt(texts, prompt_2=None, device="cpu",
+        embeds, pooled, _ = pipe.encode_prompt(texts, prompt_2=None, device=self.device,
                                                max_sequence_length=self.max_sequence_length)
         ids = pipe.tokenizer_2(texts, padding="max_length", max_length=self.max_sequence_length,
                                truncation=True, return_tensors="pt").input_ids
         mask = (ids != pipe.tokenizer_2.pad_token_id).to(torch.int64)
+        embeds, pooled = embeds.cpu(), pooled.cpu()
         return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "attention_mask": mask[i]}
                 for i in range(len(texts))]
 
@@ -61,17 +63,17 @@ class FluxAdapter(FamilyAdapter):
     def load_train_scheduler(self):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
-    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generator):
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
-        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generator)
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
 
         packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
         embeds = text["prompt_embeds"].to(latents.dtype)
-        txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype, device=latents.device)
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=latents.dtype)
+            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=latents.dtype, device=latents.device)
         pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                            pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype),
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]

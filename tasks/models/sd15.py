@@ -14,5 +14,5 @@ class SD15Adapter(UNetAdapter):
     skip_parts = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
     def _encode(self, pipe, texts):
-        embeds, _ = pipe.encode_prompt(texts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)
+        embeds, _ = pipe.encode_prompt(texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds}

@@ -33,28 +33,30 @@ class SD3Adapter(FamilyAdapter):
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
+        # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
         # The mode, not a sample: the cached latent is then a pure function of the image.
-        z = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
         return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS)
+        return StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
 
     @torch.no_grad()
     def encode_text(self, pipe, texts):
         # prompt_embeds = [77 CLIP tokens (both towers' states, zero-padded to T5 width) ; T5 tokens].
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=None, prompt_3=None,
-                                                  do_classifier_free_guidance=False, device="cpu",
+                                                  do_classifier_free_guidance=False, device=self.device,
                                                   max_sequence_length=self.max_sequence_length)
         # SD3's transformer takes no mask; it is stored (T5 part only) for consumers that want it.
         ids = pipe.tokenizer_3(texts, padding="max_length", max_length=self.max_sequence_length,
                                truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
         mask = (ids != pipe.tokenizer_3.pad_token_id).to(torch.int64)
+        embeds, pooled = embeds.cpu(), pooled.cpu()
         return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "attention_mask": mask[i]}
                 for i in range(len(texts))]
 
@@ -71,8 +73,8 @@ class SD3Adapter(FamilyAdapter):
     def load_train_scheduler(self):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
-    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generator):
-        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generator)
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
         # SD3 takes timesteps in [0, 1000], unscaled (Flux divides by 1000).
         pred = transformer(hidden_states=noisy, timestep=timesteps,
                            encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),

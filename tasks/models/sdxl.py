@@ -15,7 +15,7 @@ class SDXLAdapter(UNetAdapter):
     embed_names = ("prompt_embeds", "pooled_prompt_embeds")
 
     def _encode(self, pipe, texts):
-        embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, device="cpu", num_images_per_prompt=1,
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, device=self.device, num_images_per_prompt=1,
                                                   do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
@@ -24,7 +24,7 @@ class SDXLAdapter(UNetAdapter):
         # training size, which is what the pipeline passes at sampling time for the same height/width.
         b, _, h, w = latents.shape
         h, w = h * VAE_SCALE, w * VAE_SCALE
-        time_ids = torch.tensor([h, w, 0, 0, h, w], dtype=latents.dtype).repeat(b, 1)
+        time_ids = torch.tensor([h, w, 0, 0, h, w], dtype=latents.dtype, device=latents.device).repeat(b, 1)
         return {"text_embeds": text["pooled_prompt_embeds"].to(latents.dtype), "time_ids": time_ids}
 
     def unconditional(self, pipe, negative, empty):

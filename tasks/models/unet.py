@@ -33,17 +33,18 @@ class UNetAdapter(FamilyAdapter):
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).eval()
+        # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
         # The mode, not a sample: the cached latent is then a pure function of the image. No shift in SD/SDXL.
-        return vae.encode(pixels.to(vae.dtype)).latent_dist.mode() * vae.config.scaling_factor
+        return vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode() * vae.config.scaling_factor
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
         return self.pipeline_cls.from_pretrained(self.model_dir, unet=None, vae=None, dtype=self.dtype,
-                                                 **self.skip_parts, **_SAFE)
+                                                 **self.skip_parts, **_SAFE).to(self.device)
 
     @abstractmethod
     def _encode(self, pipe, texts: list[str]) -> dict[str, torch.Tensor]:
@@ -51,7 +52,7 @@ class UNetAdapter(FamilyAdapter):
 
     @torch.no_grad()
     def encode_text(self, pipe, texts):
-        out = self._encode(pipe, texts)
+        out = {k: v.cpu() for k, v in self._encode(pipe, texts).items()}
         # encode_prompt pads to the tokenizer's 77 tokens. The tokenizer's own mask marks real tokens
         # (bos..eos), which `ids != pad` would not: CLIP-L pads with its eos token.
         out["attention_mask"] = pipe.tokenizer(texts, padding="max_length", max_length=pipe.tokenizer.model_max_length,
@@ -74,11 +75,12 @@ class UNetAdapter(FamilyAdapter):
         """Extra UNet conditioning (SDXL's pooled text and size ids); none for SD1.5."""
         return None
 
-    def training_loss(self, unet, latents, text, train_cfg, scheduler, generator):
-        # All randomness from `generator`: a seed fixes the whole run.
-        noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype).to(latents.device)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                  generator=generator).to(latents.device)
+    def training_loss(self, unet, latents, text, train_cfg, scheduler, generators):
+        # All randomness from one generator per item: a seed fixes the whole run, however it is split.
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generators])
+        noise = noise.to(latents.device)
+        timesteps = torch.cat([torch.randint(0, scheduler.config.num_train_timesteps, (1,), generator=g)
+                               for g in generators]).to(latents.device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         prediction_type = scheduler.config.prediction_type
         if prediction_type == "epsilon":

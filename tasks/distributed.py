@@ -1,0 +1,95 @@
+"""Multi-process training: the train node under `accelerate launch` (data parallel).
+
+The node (parent) writes the job as JSON, starts `accelerate launch --multi_gpu --num_processes N -m
+tasks.distributed <job.json>` and relays the processes' output to its log. Each process runs the same
+`train.train_lora`, which splits every step's batch across them; the main process writes the LoRA and a
+result JSON into the job's folder. Nothing crosses the process boundary as a pickle.
+
+accelerate's multi-process launcher is torchrun: with CUDA each process takes one GPU (nccl); without
+it, the processes join a gloo group on the CPU (accelerate's MULTI_CPU)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+log = logging.getLogger("loraflow")
+RESULT = "result.json"
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Artifact|Interrupt)(: |$)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(job_file: Path, num_processes: int, mixed_precision: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+            "--num_processes", str(num_processes), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+            "-m", "tasks.distributed", str(job_file)]
+
+
+def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
+                    log_dir: Path | None) -> dict:
+    """Train under `accelerate launch` with cfg.train.num_processes processes; returns what
+    train.train_lora returns on the main process."""
+    n = int(cfg["train"]["num_processes"])
+    job = {"cfg": cfg, "plan": plan, "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
+           "trajectory": trajectory, "log_dir": str(log_dir) if log_dir else None}
+    job_file = out_dir / "job.json"
+    job_file.write_text(json.dumps(job))
+    cmd = launch_command(job_file, n, cfg["train"]["mixed_precision"])
+    log.info("train: %d processes under accelerate launch", n)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    tail: deque[str] = deque(maxlen=40)
+    errors: list[str] = []  # the workers' exception lines (torchrun's own summary follows them)
+    # Its own session, so that stopping it (error, interrupt) stops every training process it started.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            if _EXCEPTION_LINE.match(line) and "ChildFailedError" not in line:  # that one is torchrun's summary
+                errors.append(line.strip())
+            log.info("train[launch] %s", line.rstrip())
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if code != 0:
+        cause = errors[-1] if errors else "see the lines below"  # the last: the outermost of a chain
+        raise RuntimeError(f"train.num_processes={n}: the training processes failed (exit {code}): {cause}\n"
+                           "their last lines:\n" + "\n".join(tail))
+    result = json.loads((out_dir / RESULT).read_text())
+    result["lora"] = Path(result["lora"])
+    return result
+
+
+def _worker(job_file: str) -> None:
+    from tasks import train
+    from tasks.remote_store import open_store
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    job = json.loads(Path(job_file).read_text())
+    store = open_store(job["cfg"]["store"])
+    out_dir = Path(job["out_dir"])
+    out = train.train_lora(job["cfg"], job["plan"], store, job["latent_keys"], job["text_keys"], out_dir,
+                           job["trajectory"], Path(job["log_dir"]) if job["log_dir"] else None)
+    if out is not None:  # the main process
+        tmp = out_dir / f".{RESULT}.tmp"
+        tmp.write_text(json.dumps({**out, "lora": str(out["lora"])}))
+        os.replace(tmp, out_dir / RESULT)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
