@@ -51,7 +51,10 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         vae = adapter.load_vae()
         batches = list(chunks(todo, batch_size))
         pixels_of = lambda batch: _pixels(batch, plan["size"])  # noqa: E731
-        for batch, pixels in progress(zip(batches, prefetch(pixels_of, batches)), "cache_latents", len(batches)):
+        # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
+        # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
+        loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
+        for batch, pixels in progress(zip(batches, loaded), "cache_latents", len(batches)):
             latents = adapter.encode_latents(vae, pixels)
             for it, z in zip(batch, latents):
                 store.put_tensors(KIND, keys[it["name"]], {"latents": z}, meta={"image": it["name"]})
