@@ -7,7 +7,7 @@ import torch
 
 from tasks.dataset import image_to_tensor, load_image
 from tasks.hashing import key_of
-from tasks.items import check_items, chunks, node_result, prefetch, progress
+from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
 from tasks.models import make_adapter
 from tasks.store import Store
 
@@ -54,10 +54,12 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
         loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
-        for batch, pixels in progress(zip(batches, loaded), "cache_latents", len(batches)):
-            latents = adapter.encode_latents(vae, pixels)
-            for it, z in zip(batch, latents):
-                store.put_tensors(KIND, keys[it["name"]], {"latents": z}, meta={"image": it["name"]})
+        with BackgroundWrites() as writes:  # an item is written while the next one is encoded
+            for batch, pixels in progress(zip(batches, loaded), "cache_latents", len(batches)):
+                latents = adapter.encode_latents(vae, pixels)
+                for it, z in zip(batch, latents):
+                    writes.submit(store.put_tensors, KIND, keys[it["name"]], {"latents": z},
+                                  meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
         del vae
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))

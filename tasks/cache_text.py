@@ -5,7 +5,7 @@ import logging
 
 from tasks import augment
 from tasks.hashing import digest_text, key_of
-from tasks.items import check_items, chunks, node_result, progress
+from tasks.items import BackgroundWrites, check_items, chunks, node_result, progress
 from tasks.models import make_adapter
 from tasks.store import Store
 
@@ -73,10 +73,11 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         encoders = adapter.load_text_encoders()
         batches = list(chunks(status.missing, batch_size))
-        for batch in progress(batches, "cache_text", len(batches)):
-            encoded = adapter.encode_text(encoders, [by_key[k] for k in batch])
-            for k, tensors in zip(batch, encoded):
-                store.put_tensors(KIND, k, tensors, meta={"text": by_key[k]})
+        with BackgroundWrites() as writes:  # an item is written while the next one is encoded
+            for batch in progress(batches, "cache_text", len(batches)):
+                encoded = adapter.encode_text(encoders, [by_key[k] for k in batch])
+                for k, tensors in zip(batch, encoded):
+                    writes.submit(store.put_tensors, KIND, k, tensors, meta={"text": by_key[k]}, recomputable=True)
         log.info("cache_text: encoded %d text(s), reused %d", len(status.missing), len(status.reused))
         del encoders
     captions = sum(n.startswith("caption:") for n in texts)

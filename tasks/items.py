@@ -64,3 +64,48 @@ def prefetch(load, batches: list):
             ready, pending = pending.result(), pool.submit(load, nxt)
             yield ready
         yield pending.result()
+
+
+class BackgroundWrites:
+    """Store writes in one thread while the caller computes the next item: an item's write waits mostly on
+    the disk (fsync), which overlaps the encoder. At most `depth` writes are pending. Writes run in the
+    order submitted; once one fails (a full disk, say) the later ones are skipped, and the error is raised
+    in the caller's thread at its next submit or on leaving. On leaving, every write submitted has finished
+    or been skipped: each entry is committed whole or not at all (debris only in the store's tmp/)."""
+
+    def __init__(self, depth: int = 4):
+        self._depth = depth
+
+    def __enter__(self):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-write")
+        self._pending, self._failed = deque(), False
+        return self
+
+    def _write(self, fn, args, kwargs):
+        if self._failed:  # a write before this one failed: this one must not commit after it
+            return
+        try:
+            fn(*args, **kwargs)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        while self._pending and (self._pending[0].done() or len(self._pending) >= self._depth):
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._write, fn, args, kwargs))
+
+    def __exit__(self, exc_type, exc, tb):
+        try:  # a caller's own error (not a write's) still lets finished items be written: they are kept
+            while self._pending:
+                future = self._pending.popleft()
+                if exc_type is None:
+                    future.result()
+                else:  # the caller's error wins; ours only wait to finish
+                    future.exception()
+        finally:
+            self._pool.shutdown(wait=True)
+        return False

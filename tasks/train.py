@@ -8,7 +8,7 @@ import random
 import tempfile
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
 from tasks.checkpoints import save_checkpoint as _save_checkpoint
 from tasks.hashing import key_of
-from tasks.items import check_items, node_result
+from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 
@@ -168,6 +168,26 @@ def _stack(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([d[k] for d in dicts]) for k in dicts[0]}
 
 
+@dataclass
+class _Batch:
+    """One step's share of this process, on the CPU: its loss weight, one generator per item (the caption
+    choice already drawn from them; noise and timestep are drawn next), latents and text tensors."""
+    weight: float
+    generators: list[torch.Generator]
+    latents: torch.Tensor
+    text: dict[str, torch.Tensor]
+
+
+def overlap_loading() -> bool:
+    """Whether batches are prepared in a thread, one step ahead (with CUDA; the tests force it on the CPU)."""
+    return torch.cuda.is_available()
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """Page-locked with CUDA, so the copy to the GPU is asynchronous; as it is otherwise."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 def logged_losses(step_losses: list[float], every: int) -> list[dict]:
     """Mean loss per window of `every` steps (and the last, partial one), as the log prints them."""
     return [{"step": min(i + every, len(step_losses)), "loss": sum(w) / len(w)}
@@ -277,17 +297,27 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
                  ", ".join(f"{tuple(latents[g[0]].shape[-2:])}: {len(g)}" for g in groups))
-    progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
-    t0 = time.perf_counter()
-    for step in range(start + 1, tc["max_steps"] + 1):
+    def load_step(step: int) -> _Batch:  # with CUDA: one step ahead, in a thread (prefetch)
         idx = batch_at(step, groups, batch_size, seed)
         mine, weight = my_share(len(idx), rank, world)
         gens = item_generators(seed, step, len(idx))
-        batch_latents = torch.stack([latents[idx[j]] for j in mine]).to(accelerator.device, adapter.dtype)
-        text = _stack([texts.get(idx[j], step, gens[j]) for j in mine])
-        text = {k: v.to(accelerator.device) for k, v in text.items()}
+        gens = [gens[j] for j in mine]
+        text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
+        return _Batch(weight, gens, _pinned(torch.stack([latents[idx[j]] for j in mine])),
+                      {k: _pinned(v) for k, v in text.items()})
+
+    progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
+    steps = list(range(start + 1, tc["max_steps"] + 1))
+    t0 = time.perf_counter()
+    # With CUDA the next step's batch is read and pinned while the GPU trains on this one. On the CPU a
+    # loader thread only contends with the step's own threads (measured: 1.5x the step time on 2 cores).
+    batches = prefetch(load_step, steps) if overlap_loading() else map(load_step, steps)
+    for step, batch in zip(steps, batches):
+        weight, gens = batch.weight, batch.generators
+        batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
+        text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
         with accelerator.autocast():
-            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, [gens[j] for j in mine])
+            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
         accelerator.backward(loss * weight)
         if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
             _sum_gradients(accelerator, params)

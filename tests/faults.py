@@ -23,15 +23,15 @@ import os, signal, sys
 sys.path.insert(0, "tests")
 from tasks.store import Store
 _real_put, _kind, _n, _done = Store.put, sys.argv[1], int(sys.argv[2]), [0]
-def _put(self, kind, key, ext, write, meta=None):
+def _put(self, kind, key, ext, write, meta=None, **kw):
     if kind != _kind:
-        return _real_put(self, kind, key, ext, write, meta)
+        return _real_put(self, kind, key, ext, write, meta, **kw)
     if _done[0] == _n:
         def torn(path):
             write(path)
             os.kill(os.getpid(), signal.SIGKILL)
-        return _real_put(self, kind, key, ext, torn, meta)
-    out = _real_put(self, kind, key, ext, write, meta)
+        return _real_put(self, kind, key, ext, torn, meta, **kw)
+    out = _real_put(self, kind, key, ext, write, meta, **kw)
     _done[0] += 1
     return out
 Store.put = _put
@@ -51,6 +51,8 @@ def pipeline(store_root, overrides=(), stop_after: str = "sample") -> dict:
     if stop_after == "cache_text":
         return out
     out["train"] = train.run(cfg, plan, store, out["cache_latents"]["items"], out["cache_text"]["items"])
+    if stop_after == "train":
+        return out
     out["sample"] = sample.run(cfg, plan, store, out["train"]["key"], out["train"]["lora"], out["cache_text"]["items"])
     return out
 

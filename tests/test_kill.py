@@ -15,21 +15,20 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs validate + cache_latents as plain functions; the 5th latent write is killed half-way through.
 _KILL_SCRIPT = """
 import os, signal, sys
-import safetensors.torch as st
 from tasks import cache_latents, validate
 from tasks.config import compose, resolve_paths
 from tasks.store import Store
 
-real_save, calls = st.save_file, []
-def save_then_die(tensors, path, metadata=None):
-    calls.append(path)
-    if len(calls) == 5:
-        with open(path, "wb") as f:
-            f.write(b"\\x00" * 17)  # a torn write
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_save(tensors, path, metadata=metadata)
-import tasks.store
-tasks.store.save_file = save_then_die
+real_put, calls = Store.put, []
+def put(self, kind, key, ext, write, meta=None, **kw):
+    calls.append(key) if kind == "latents" else None
+    if kind == "latents" and len(calls) == 5:
+        def torn(path):
+            path.write_bytes(b"\\x00" * 17)  # a torn write
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_put(self, kind, key, ext, torn, meta, **kw)
+    return real_put(self, kind, key, ext, write, meta, **kw)
+Store.put = put
 
 cfg = resolve_paths(compose("train", [f"store.root={sys.argv[1]}"])[0])
 store = Store(cfg["store"]["root"])

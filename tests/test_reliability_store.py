@@ -128,12 +128,12 @@ def _fill_disk_on(monkeypatch, kind: str, after: int, where: str = "data", error
     seen = {"n": 0}
     real_put, real_write_bytes = Store.put, store_mod._write_bytes
 
-    def put(self, k, key, ext, write, meta=None):
+    def put(self, k, key, ext, write, meta=None, **kw):
         if k != kind:
-            return real_put(self, k, key, ext, write, meta)
+            return real_put(self, k, key, ext, write, meta, **kw)
         seen["n"] += 1
         if seen["n"] != after + 1:
-            return real_put(self, k, key, ext, write, meta)
+            return real_put(self, k, key, ext, write, meta, **kw)
         if where == "manifest":
             def write_bytes(path, data):
                 if path.name == "manifest.json":
@@ -142,7 +142,7 @@ def _fill_disk_on(monkeypatch, kind: str, after: int, where: str = "data", error
                 return real_write_bytes(path, data)
             monkeypatch.setattr(store_mod, "_write_bytes", write_bytes)
             try:
-                return real_put(self, k, key, ext, write, meta)
+                return real_put(self, k, key, ext, write, meta, **kw)
             finally:
                 monkeypatch.setattr(store_mod, "_write_bytes", real_write_bytes)
 
@@ -150,7 +150,7 @@ def _fill_disk_on(monkeypatch, kind: str, after: int, where: str = "data", error
             write(path)
             truncate(largest_file(path))
             raise error
-        return real_put(self, k, key, ext, half_then_full, meta)
+        return real_put(self, k, key, ext, half_then_full, meta, **kw)
 
     monkeypatch.setattr(Store, "put", put)
 
@@ -196,8 +196,8 @@ from tasks.store import Store
 real = Store.put
 def full(path):
     raise OSError(errno.ENOSPC, "No space left on device")
-def put(self, kind, key, ext, write, meta=None):
-    return real(self, kind, key, ext, full if kind == "latents" else write, meta)
+def put(self, kind, key, ext, write, meta=None, **kw):
+    return real(self, kind, key, ext, full if kind == "latents" else write, meta, **kw)
 Store.put = put
 import runpy
 sys.argv = ["flows.train", *sys.argv[1:]]
