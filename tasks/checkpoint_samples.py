@@ -9,7 +9,6 @@ never changes the training trajectory."""
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -119,7 +118,7 @@ class CheckpointSampler:
                 except Exception as e:  # noqa: BLE001 -- one bad prompt costs its image only
                     self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
                     continue
-                with tempfile.TemporaryDirectory(dir=self.store.root / "tmp") as tmp:
+                with self.store.tmp_dir("checkpoint-sample") as tmp:
                     png = Path(tmp) / "sample.png"
                     image.save(png)
                     self.store.put_file(sample.KIND, key, png, meta={"prompt": p["prompt"], "step": step, **s})

@@ -5,7 +5,6 @@ LoRA's key and the converter's version, so it is converted once."""
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -34,7 +33,7 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
             plan["family"], tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
             ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
             ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
-        with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
+        with store.tmp_dir("publish") as tmp:
             path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"],
                                      peft_from_diffusers(load_file(lora["lora"])), tc["rank"], alpha, metadata)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})

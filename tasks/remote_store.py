@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 from tasks.hashing import key_of
@@ -73,7 +72,7 @@ class RemoteStore(Store):
         remote = self._remote(kind, key)
         if not self.fs.exists(f"{remote}/{MANIFEST}"):
             return
-        tmp = self.root / "tmp" / f"pull-{key[:16]}-{uuid.uuid4().hex}"
+        tmp = self.tmp_path(f"pull-{key[:16]}")
         try:
             for src in self.fs.find(remote):
                 dst = tmp / Path(src).relative_to(remote)
@@ -89,8 +88,8 @@ class RemoteStore(Store):
             shutil.rmtree(tmp, ignore_errors=True)
 
     # -- writes: local first (atomic), then pushed with the manifest last ------------------------
-    def put(self, kind, key, ext, write, meta=None) -> Path:
-        data = super().put(kind, key, ext, write, meta)
+    def put(self, kind, key, ext, write, meta=None, **options) -> Path:
+        data = super().put(kind, key, ext, write, meta, **options)
         remote = self._remote(kind, key)
         if not self.fs.exists(f"{remote}/{MANIFEST}"):
             entry = self.entry_dir(kind, key)

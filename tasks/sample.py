@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import re
-import tempfile
 from pathlib import Path
 
 from PIL import Image
@@ -77,7 +76,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             negative = store.get_tensors(cache_text.KIND, neg_key) if neg_key else None
             empty = store.get_tensors(cache_text.KIND, text_keys["empty"])
             image = adapter.sample(pipe, prompt, negative, empty, **s)
-            with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
+            with store.tmp_dir("sample") as tmp:
                 png = Path(tmp) / "sample.png"
                 image.save(png)
                 store.put_file(KIND, key, png, meta={"prompt": p["prompt"], **s})

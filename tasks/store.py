@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import struct
-import uuid
+import tempfile
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from tasks import debris
 from tasks.hashing import digest_file, digest_text, digest_tree, key_of
 
 MANIFEST = "manifest.json"
@@ -158,6 +159,17 @@ class Store:
     def entry_dir(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 
+    def tmp_path(self, what: str) -> Path:
+        """A fresh name under tmp/ that says which process owns it (see tasks/debris.py)."""
+        return self.root / "tmp" / debris.fresh_name(what)
+
+    def tmp_dir(self, what: str) -> tempfile.TemporaryDirectory:
+        return tempfile.TemporaryDirectory(dir=self.root / "tmp", prefix=debris.owner_prefix(what))
+
+    def sweep_debris(self) -> tuple[int, int]:
+        """Remove what killed processes left under tmp/: (entries, bytes)."""
+        return debris.sweep(self.root / "tmp")
+
     def _full(self, what: str, e: BaseException) -> StoreFull:
         try:
             free = f"{shutil.disk_usage(self.root).free / 2**20:.1f} MiB free"
@@ -181,7 +193,7 @@ class Store:
         (same key, same content) and ours is discarded. A full disk raises StoreFull; either way nothing of
         this write is left behind (no entry, no temp folder)."""
         final = self.entry_dir(kind, key)
-        tmp = self.root / "tmp" / f"{kind}-{key[:16]}-{uuid.uuid4().hex}"
+        tmp = self.tmp_path(f"{kind}-{key[:16]}")
         data = tmp / f"data{ext}"
         try:
             tmp.mkdir(parents=True)
@@ -279,7 +291,7 @@ class Store:
     # -- repair ----------------------------------------------------------------------------------
     def _discard(self, entry: Path) -> None:
         """Move a corrupt entry out of the way (renamed first, so readers never see it half-deleted)."""
-        trash = self.root / "tmp" / f"corrupt-{entry.name[:16]}-{uuid.uuid4().hex}"
+        trash = self.tmp_path(f"corrupt-{entry.name[:16]}")
         try:
             os.rename(entry, trash)
         except FileNotFoundError:
@@ -293,7 +305,7 @@ class Store:
     # -- small mutable records (last run per config name) -----------------------------------------
     def _write_small(self, path: Path, data: bytes, what: str) -> None:
         """A small file replaced atomically (temp file, fsync, rename); StoreFull when the disk is full."""
-        tmp = self.root / "tmp" / f"{path.parent.name}-{uuid.uuid4().hex}"
+        tmp = self.tmp_path(path.parent.name)
         try:
             path.parent.mkdir(exist_ok=True)
             _write_bytes(tmp, data)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import random
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -379,7 +378,7 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
     resumed = None
     if status.missing:
         trajectory = trajectory_key(node_inputs, cfg["train"])
-        with tempfile.TemporaryDirectory(dir=store.root / "tmp") as tmp:
+        with store.tmp_dir("train") as tmp:
             if cfg["train"]["num_processes"] > 1:
                 from tasks.distributed import launch_training
 

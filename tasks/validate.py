@@ -181,6 +181,7 @@ def run(cfg: dict, store: Store) -> dict:
     errors = config_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    store.sweep_debris()  # what an earlier run left in tmp/ when it was killed
     family = cfg["model"]["family"]
     adapter_cls = adapter_class(family)
     size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
