@@ -2,22 +2,29 @@
 
     python -m bench.gpu              # needs CUDA; writes bench/gpu_results.json and prints a table
     python -m bench.gpu --tiny       # a shrunken config, 1 step, on the CPU if there is no GPU (smoke test)
+    python -m bench.gpu --weights    # any machine: the full-size model on the meta device, exact bytes held by
+                                     # its weights and LoRA per configuration (bench/gpu_weights.json)
 
-The transformer is FluxTransformer2DModel with FLUX.1-dev's config (19 double + 38 single blocks, 24 heads x 128
-= 3072 wide, T5 width 4096, CLIP pooled 768, guidance_embeds=True, ~11.9 B parameters), built with random bf16
-weights directly on the GPU (nothing is downloaded). peft LoRA rank 16 (alpha 16) on the attention projections,
-LoRA weights in fp32 (as loraflow's train node), AdamW, bf16 autocast. One 1024x1024 image per step: latents
-16x128x128 packed 2x2 into 4096 tokens of 64 channels; the text is cached: random T5 embeddings 512x4096 and a
-pooled CLIP vector of 768.
+What runs is loraflow's own training step, not a copy of it: the denoiser is prepared by the train node's
+`tasks.train_setup.prepare_denoiser` (frozen base, peft LoRA on the Flux adapter's default targets, fp32 LoRA
+weights, diffusers' layerwise casting for the fp8 base, gradient checkpointing), the loss is the Flux
+adapter's `training_loss` (flow-matching noise and timesteps, 2x2 packing, velocity MSE), the optimizer is
+`tasks.train_setup.make_optimizer` (AdamW) and the step runs under bf16 autocast as `train.mixed_precision=bf16`
+does. Only the weights differ: FLUX.1-dev's transformer config (19 double + 38 single blocks, 24 heads x 128
+= 3072 wide, T5 width 4096, CLIP pooled 768, guidance_embeds=True, ~11.9 B parameters) with random bf16
+weights made directly on the GPU (nothing is downloaded). One 1024x1024 image per step (latents 16x128x128,
+4096 image tokens); the text is cached: random T5 states 512x4096 and a pooled CLIP vector of 768.
 
 Configurations, each in its own try/except (an OOM is recorded, not fatal):
   bf16            bf16 base, no gradient checkpointing
-  bf16+ckpt       bf16 base, gradient checkpointing (diffusers' enable_gradient_checkpointing)
-  fp8+ckpt        fp8 e4m3 storage / bf16 compute (diffusers' enable_layerwise_casting) for every Linear except
-                  embeddings, norms (incl. the AdaLN modulation linears, diffusers' default for Flux), the final
-                  proj_out and the LoRA layers; gradient checkpointing
+  bf16+ckpt       bf16 base, gradient checkpointing                  (train.gradient_checkpointing=true)
+  fp8+ckpt        fp8 e4m3 base, bf16 compute, gradient checkpointing (model.storage_dtype=float8_e4m3fn)
+  fp8all+ckpt     as fp8+ckpt, the AdaLN modulation linears in fp8 too   (model.storage_modulation=true)
 Peak VRAM is torch.cuda.max_memory_allocated over the training steps (after building the model, whose own
 transient peak is reported separately); goals: <= 24 GiB with checkpointing, fp8+checkpointing aims for 16 GiB.
+
+On the GPU image of this workplace diffusers, hydra-core, omegaconf and antlr4 are missing: bench/gpu_wheels.sh
+downloads them as wheels to carry (see bench/README.md).
 """
 from __future__ import annotations
 
@@ -40,82 +47,83 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, 
                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 TINY = dict(FLUX_DEV, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-ATTN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-# Kept in bf16 under fp8 storage: embeddings, norms (Flux's _skip_layerwise_casting_patterns plus diffusers'
-# defaults), the final projection and the LoRA layers (user-given patterns replace diffusers' automatic peft skip).
-FP8_SKIP = ("pos_embed", "norm", "x_embedder", "context_embedder", "time_text_embed", "^proj_out$",
-            "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-CONFIGS = (("bf16", False, False), ("bf16+ckpt", False, True), ("fp8+ckpt", True, True))
+# (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)
+CONFIGS = (("bf16", False, False, False), ("bf16+ckpt", False, True, False), ("fp8+ckpt", True, True, False),
+           ("fp8all+ckpt", True, True, True))
+LABELS = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkpointing",
+          "fp8+ckpt": "fp8 base + gradient checkpointing",
+          "fp8all+ckpt": "fp8 base incl. modulation + gradient checkpointing"}
+# The train node's flow-matching settings (conf/train defaults; tasks/config.py TrainConfig).
+TRAIN_CFG = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
+                 optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
 
 
-def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int):
+def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool = False):
+    """(adapter, denoiser, LoRA parameters), prepared by the train node's own code."""
     import torch
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # random bf16 weights created on the device: no fp32 copy anywhere
-    try:
-        with torch.device(device):
-            model = FluxTransformer2DModel(**arch)
-    finally:
-        torch.set_default_dtype(previous)
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=ATTN_TARGETS))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # fp32 LoRA master weights; compute runs in bf16 under autocast
-    if fp8:
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
-                                       skip_modules_pattern=FP8_SKIP)
-    if ckpt:
-        model.enable_gradient_checkpointing()
-    model.train()
-    return model, params
+    from tasks.models.flux import FluxAdapter
+    from tasks.train_setup import prepare_denoiser
+
+    class RandomFlux(FluxAdapter):
+        def load_denoiser(self):  # random bf16 weights made on the device: no file, no fp32 copy anywhere
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device(device):
+                    return FluxTransformer2DModel(**arch)
+            finally:
+                torch.set_default_dtype(previous)
+
+    adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
+    cfg = {"model": {"storage_dtype": "float8_e4m3fn" if fp8 else None, "storage_modulation": modulation},
+           "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": ckpt}}
+    denoiser, named = prepare_denoiser(adapter, cfg)
+    denoiser.train()
+    return adapter, denoiser, list(named.values())
 
 
 def inputs(arch: dict, resolution: int, text_len: int, batch: int, device):
+    """Cached latents and text of one batch, as the train node reads them from the store."""
     import torch
-    from diffusers import FluxPipeline
 
-    latent = resolution // 8  # VAE factor 8, then 2x2 packing
-    channels = arch["in_channels"] // 4
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
 
-    tokens = (latent // 2) ** 2
-    return {
-        "hidden_states": rnd(batch, tokens, channels * 4),
-        "encoder_hidden_states": rnd(batch, text_len, arch["joint_attention_dim"]),  # cached T5 output
-        "pooled_projections": rnd(batch, arch["pooled_projection_dim"]),  # cached CLIP pooled output
-        "timestep": torch.rand(batch, generator=g).to(device),
-        "guidance": torch.full((batch,), 1.0, device=device),
-        "img_ids": FluxPipeline._prepare_latent_image_ids(batch, latent // 2, latent // 2, device, torch.bfloat16),
-        "txt_ids": torch.zeros(text_len, 3, device=device, dtype=torch.bfloat16),
-    }, rnd(batch, tokens, channels * 4)
+    latent = resolution // 8  # the VAE's factor; the adapter packs 2x2
+    return rnd(batch, arch["in_channels"] // 4, latent, latent), {
+        "prompt_embeds": rnd(batch, text_len, arch["joint_attention_dim"]),  # T5 states
+        "pooled_prompt_embeds": rnd(batch, arch["pooled_projection_dim"]),  # CLIP pooled
+    }
 
 
-def run_config(name: str, fp8: bool, ckpt: bool, args, arch: dict, device) -> dict:
+def run_config(name: str, fp8: bool, ckpt: bool, modulation: bool, args, arch: dict, device) -> dict:
     import torch
 
     cuda = device.type == "cuda"
-    out = {"config": name, "fp8": fp8, "checkpointing": ckpt, "oom": False, "error": None, "step_s": [],
+    out = {"config": name, "fp8": fp8, "checkpointing": ckpt, "modulation_fp8": modulation, "oom": False, "error": None, "step_s": [],
            "peak_gib": None, "weights_gib": None, "build_peak_gib": None}
-    model = params = opt = batch = target = None
+    model = params = opt = latents = text = None
     try:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from tasks.train_setup import make_optimizer
+
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        model, params = build(arch, device, fp8, ckpt, args.rank)
+        adapter, model, params = build(arch, device, fp8, ckpt, args.rank, modulation)
         out["build_s"] = time.perf_counter() - t
         out["params"] = sum(p.numel() for p in model.parameters())
         out["lora_params"] = sum(p.numel() for p in params)
         out["weight_bytes_by_dtype"] = _bytes_by_dtype(model)
-        batch, target = inputs(arch, args.resolution, args.text_len, args.batch, device)
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        latents, text = inputs(arch, args.resolution, args.text_len, args.batch, device)
+        opt = make_optimizer(TRAIN_CFG, params)
+        scheduler = FlowMatchEulerDiscreteScheduler()  # training reads only its sigmas and timesteps
         if cuda:
             torch.cuda.synchronize()
             out["build_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -123,10 +131,11 @@ def run_config(name: str, fp8: bool, ckpt: bool, args, arch: dict, device) -> di
             torch.cuda.reset_peak_memory_stats()
         for step in range(args.warmup + args.steps):
             t = time.perf_counter()
+            generators = [torch.Generator().manual_seed(step * args.batch + j) for j in range(args.batch)]
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                pred = model(**batch, return_dict=False)[0]
-            loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+                loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, generators)
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG["max_grad_norm"])
             opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
@@ -135,7 +144,7 @@ def run_config(name: str, fp8: bool, ckpt: bool, args, arch: dict, device) -> di
             if step >= args.warmup:
                 out["step_s"].append(dt)
             print(f"  {name}: step {step + 1}/{args.warmup + args.steps} {dt:.3f} s loss {loss.item():.4g}", flush=True)
-            del pred, loss
+            del loss
     except torch.cuda.OutOfMemoryError as e:
         out["oom"] = True
         out["error"] = str(e).splitlines()[0]
@@ -144,7 +153,7 @@ def run_config(name: str, fp8: bool, ckpt: bool, args, arch: dict, device) -> di
     finally:
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-        del model, params, opt, batch, target
+        del model, params, opt, latents, text
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -160,6 +169,28 @@ def _bytes_by_dtype(model) -> dict:
     return {k: round(v / GIB, 4) for k, v in sizes.items()}
 
 
+def weights_only(out_path: Path, rank: int) -> int:
+    """The full-size model prepared for each configuration on the meta device (no memory, no GPU): the bytes
+    its weights hold, by dtype, and the preflight estimate's weight term for the same settings."""
+    import torch
+
+    rows = []
+    for name, fp8, ckpt, modulation in CONFIGS:
+        _, model, params = build(FLUX_DEV, torch.device("meta"), fp8, ckpt, rank, modulation)
+        lora = {id(p) for p in params}
+        base = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lora)
+        rows.append({"config": name, "params": sum(p.numel() for p in model.parameters()),
+                     "lora_params": sum(p.numel() for p in params), "weights_gib": base / GIB,
+                     "lora_fp32_gib": sum(p.numel() * 4 for p in params) / GIB,
+                     "weight_bytes_by_dtype_gib": _bytes_by_dtype(model)})
+        print(f"  {LABELS[name]:<52} weights {base / GIB:6.2f} GiB  by dtype {rows[-1]['weight_bytes_by_dtype_gib']}")
+    out_path.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                    "arch": FLUX_DEV, "rank": rank, "torch": torch.__version__,
+                                    "configs": rows}, indent=1, default=str))
+    print(f"\nwrote {out_path}")
+    return 0
+
+
 def figures(results: list[dict]) -> list[dict]:
     def fig(name, value, unit, goal, meets):
         return {"name": name, "value": float("nan") if value is None else float(value), "unit": unit, "goal": goal,
@@ -168,15 +199,14 @@ def figures(results: list[dict]) -> list[dict]:
     figs = []
     for r in results:
         ok = r["error"] is None
-        label = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkpointing",
-                 "fp8+ckpt": "fp8 base + gradient checkpointing"}[r["config"]]
+        label = LABELS[r["config"]]
         state = "" if ok else (" (OOM)" if r["oom"] else " (error)")
         peak = r["peak_gib"]
         if r["config"] == "bf16":
             figs.append(fig(f"{label}: peak VRAM{state}", peak, "GiB", "reference: fits in GPU memory", ok))
         else:
             figs.append(fig(f"{label}: peak VRAM{state}", peak, "GiB", "<= 24", ok and peak is not None and peak <= 24))
-        if r["config"] == "fp8+ckpt":
+        if r["config"].startswith("fp8"):
             figs.append(fig(f"{label}: peak VRAM vs the 16 GiB aim{state}", peak, "GiB", "<= 16 (aim)",
                             ok and peak is not None and peak <= 16))
         figs.append(fig(f"{label}: step time{state}", r["step_median_s"], "s", "reference (median step)", ok))
@@ -195,9 +225,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(c[0] for c in CONFIGS), help="comma list of " +
                     ", ".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", default=None, help="default bench/gpu_results.json (--tiny: bench/gpu_results_tiny.json)")
+    ap.add_argument("--weights", action="store_true", help="the full-size model on the meta device: bytes held "
+                    "by its weights per configuration (no GPU needed)")
     args = ap.parse_args(argv)
 
     import torch
+
+    if args.weights:
+        return weights_only(Path(args.out or HERE / "gpu_weights.json"), args.rank)
 
     if not torch.cuda.is_available() and not args.tiny:
         print("bench/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False "
@@ -221,18 +256,18 @@ def main(argv=None) -> int:
           f"LoRA rank {args.rank}", flush=True)
     t0 = time.perf_counter()
     results = []
-    for name, fp8, ckpt in CONFIGS:
+    for name, fp8, ckpt, modulation in CONFIGS:
         if name in wanted:
             print(f"{name} ...", flush=True)
-            results.append(run_config(name, fp8, ckpt, args, arch, device))
+            results.append(run_config(name, fp8, ckpt, modulation, args, arch, device))
     figs = figures(results)
     doc = {"figures": figs, "machine": {"device": device_name, "total_gib": total_gib, "torch": torch.__version__,
                                         "cuda": torch.version.cuda},
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "config": {"tiny": args.tiny, "arch": arch, "resolution": args.resolution, "text_len": args.text_len,
-                      "batch": args.batch, "rank": args.rank, "lora_targets": ATTN_TARGETS, "steps": args.steps,
-                      "warmup": args.warmup, "fp8_skip_patterns": FP8_SKIP, "optimizer": "AdamW (fp32 LoRA)",
-                      "autocast": "bf16"},
+                      "batch": args.batch, "rank": args.rank, "steps": args.steps, "warmup": args.warmup,
+                      "train": TRAIN_CFG, "prepared_by": "tasks.train_setup.prepare_denoiser",
+                      "loss": "tasks.models.flux.FluxAdapter.training_loss", "autocast": "bf16"},
            "details": results, "total_seconds": time.perf_counter() - t0}
     out_path.write_text(json.dumps(doc, indent=1, default=str))
     rows = [("figure", "value", "goal", "meets")]

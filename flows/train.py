@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from pathlib import Path
 
 from prefect import flow
 

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from tasks.augment_config import CaptionAug, errors, from_config  # the settings, read from the config
+from tasks.augment_config import CaptionAug, errors, from_config, setting  # the settings, read from the config
 
 __all__ = ["CaptionAug", "from_config", "errors", "active", "randomizes", "warmup_steps", "split_tags",
            "split_parts", "warmup_lengths", "length_at", "label", "variant", "canonical", "cached_texts",
@@ -295,9 +295,9 @@ def _what(aug: CaptionAug) -> str:
 def text_mode(text_cfg, aug: CaptionAug) -> str:
     """How captions meet the text encoders: "live" (text.cache=false), "fresh" (text.fresh_draws=true with
     shuffle/tag dropout: a new draw every step, encoded on demand), else "cached" (pre-encoded variants)."""
-    if not _get(text_cfg, "cache"):
+    if not setting(text_cfg, "cache"):
         return "live"
-    return "fresh" if _get(text_cfg, "fresh_draws") and randomizes(aug) else "cached"
+    return "fresh" if setting(text_cfg, "fresh_draws") and randomizes(aug) else "cached"
 
 
 def describe(aug: CaptionAug, mode: str) -> str:

@@ -36,7 +36,8 @@ _KEYS = (
 )
 
 
-def _get(cfg, key):
+def setting(cfg, key):
+    """cfg[key] of a dict, DictConfig or object; None when it is missing."""
     if cfg is None:
         return None
     try:
@@ -59,7 +60,7 @@ def errors(data_cfg, text_cfg) -> list[str]:
     out = []
     cfgs = {"data": data_cfg, "text": text_cfg}
     for section, key, kind, _ in _KEYS:
-        v = _get(cfgs[section], key)
+        v = setting(cfgs[section], key)
         if v is None:
             continue
         name = f"{section}.{key}={v!r}"
@@ -88,7 +89,7 @@ def from_config(data_cfg, text_cfg, max_steps: int) -> CaptionAug:
     cfgs = {"data": data_cfg, "text": text_cfg}
     values = {}
     for section, key, kind, default in _KEYS:
-        v = _get(cfgs[section], key)
+        v = setting(cfgs[section], key)
         if v is None:
             v = default
         if kind == "rate":

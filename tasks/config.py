@@ -33,6 +33,9 @@ class ModelConfig:
     dtype: str = "float32"
     # float8_e4m3fn | float8_e5m2: the denoiser's base weights stored in fp8 while training (layerwise casting)
     storage_dtype: Optional[str] = None
+    # With storage_dtype: also store the AdaLN modulation linears (Flux, SD3; a quarter of Flux's weights) in it,
+    # as sd-scripts' --fp8_base does. false: kept in `dtype`, diffusers' default for layerwise casting.
+    storage_modulation: bool = False
     max_sequence_length: int = 32
 
 

@@ -48,6 +48,38 @@ def _lora_params(shapes: dict[str, list[int]], targets: list[str], rank: int) ->
     return total
 
 
+def layerwise_skip_patterns(denoiser_cls=None, modulation: bool = False) -> tuple[str, ...]:
+    """The module-name patterns kept in the compute dtype under layerwise casting: diffusers' defaults for
+    this class (embeddings, norms incl. the AdaLN modulation linears under them, proj_in/proj_out) plus the
+    class's own lists. `modulation`: without "norm", so the linears under norm-named modules (the AdaLN
+    modulation) are stored low too; the norm layers themselves are never cast (diffusers casts only
+    Linear, Conv and Embedding layers)."""
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    own = [*(getattr(denoiser_cls, "_keep_in_fp32_modules", None) or ()),
+           *(getattr(denoiser_cls, "_skip_layerwise_casting_patterns", None) or ())]
+    patterns = tuple(dict.fromkeys((*DEFAULT_SKIP_MODULES_PATTERN, *own)))
+    return tuple(p for p in patterns if p != "norm") if modulation else patterns
+
+
+def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | None,
+                        skip_patterns: tuple[str, ...]) -> int:
+    """Bytes of the base weights as training holds them. With a storage dtype, diffusers' layerwise casting
+    stores the Linear/Conv/Embedding layers (weights of 2+ dims, with their biases) in it, except those under
+    a module whose name matches a skip pattern (matched at every level of the path, as diffusers walks the
+    tree); everything else stays in the compute dtype."""
+    if not storage_dtype:
+        return sum(_numel(s) for s in shapes.values()) * _BYTES[dtype]
+    castable = {n[: -len(".weight")] for n, s in shapes.items() if n.endswith(".weight") and len(s) >= 2}
+
+    def cast(module: str) -> bool:
+        parts = module.split(".")
+        return module in castable and not any(re.search(p, ".".join(parts[:i]))
+                                              for i in range(1, len(parts) + 1) for p in skip_patterns)
+
+    return sum(_numel(s) * _BYTES[storage_dtype if cast(n.rsplit(".", 1)[0]) else dtype] for n, s in shapes.items())
+
+
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
     """(tokens, width, blocks) of the denoiser at this training size, from its config."""
     w, h = size
@@ -65,13 +97,14 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -
 
 
 def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
-             text_tokens: int) -> dict:
+             text_tokens: int, denoiser_cls=None) -> dict:
     tc, mc = cfg["train"], cfg["model"]
     folder = Path(model_dir) / denoiser_folder
     config = json.loads((folder / "config.json").read_text())
     shapes = _weights(folder)
     params = sum(_numel(s) for s in shapes.values())
-    weight_bytes = params * _BYTES[mc["storage_dtype"] or mc["dtype"]]
+    weight_bytes = stored_weight_bytes(shapes, mc["dtype"], mc["storage_dtype"],
+                                       layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)))
     lora = _lora_params(shapes, targets, tc["rank"])
     optimizer_bytes_per_param = 2 if tc["optimizer"] == "adamw8bit" else 8
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param)  # fp32 weights + grads + optimizer states
@@ -106,6 +139,7 @@ def available_gb() -> tuple[float, str]:
 REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpointing"), True),
             ("train.optimizer=adamw8bit", ("train", "optimizer"), "adamw8bit"),
             ("model.storage_dtype=float8_e4m3fn", ("model", "storage_dtype"), "float8_e4m3fn"),
+            ("model.storage_modulation=true", ("model", "storage_modulation"), True),
             ("train.batch_size=1", ("train", "batch_size"), 1))
 
 
@@ -117,7 +151,7 @@ def fitting_settings(cfg: dict, budget_gb: float, estimate_fn) -> list[str]:
             new[section][key] = value
         return new
 
-    open_ = [r for r in REMEDIES if cfg[r[1][0]][r[1][1]] != r[2]]
+    open_ = [r for r in REMEDIES if cfg[r[1][0]].get(r[1][1]) != r[2]]
     fits = []
     for r in open_:
         gb = estimate_fn(with_changes([r]))["total_gb"]
@@ -138,7 +172,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
 
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
-                        c["model"]["max_sequence_length"])
+                        c["model"]["max_sequence_length"], adapter.denoiser_cls)
 
     est = estimate_for(cfg)
     limit = cfg["train"]["memory_limit_gb"]
@@ -147,7 +181,8 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
     if est["total_gb"] > budget:
         fits = fitting_settings(cfg, budget, estimate_for)
         hint = ("would fit: " + "; ".join(fits)) if fits else ("nothing in train.gradient_checkpointing, "
-                                                               "train.optimizer=adamw8bit, model.storage_dtype=float8_e4m3fn or "
+                                                               "train.optimizer=adamw8bit, model.storage_dtype=float8_e4m3fn (with "
+                                                               "model.storage_modulation=true) or "
                                                                "train.batch_size=1 fits: use a smaller data.resolution or a "
                                                                "bigger device")
         raise ConfigError(

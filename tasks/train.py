@@ -4,16 +4,13 @@ The VAE and the text encoders are never loaded here: every batch comes from the 
 from __future__ import annotations
 
 import logging
-import random
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from diffusers.optimization import get_scheduler
-from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from tqdm.auto import tqdm
 
@@ -26,6 +23,7 @@ from tasks.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
+from tasks.train_setup import make_accelerator, make_optimizer, prepare_denoiser, seed_everything
 
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
@@ -48,8 +46,14 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
-            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], "text.cache": cfg["text"]["cache"],
+            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
+            "text.cache": cfg["text"]["cache"],
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}
+
+
+def _modulation(cfg: dict) -> dict:
+    # In the key only where it changes the weights: every existing key stays as it was.
+    return {"storage_modulation": True} if cfg["model"]["storage_dtype"] and cfg["model"].get("storage_modulation") else {}
 
 
 def _sampling(cfg: dict) -> dict:
@@ -109,12 +113,6 @@ class _Captions:
                 self.memo.clear()
             self.memo[key] = self.store.get_tensors(cache_text.KIND, key)
         return self.memo[key]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def item_generators(seed: int, step: int, n: int) -> list[torch.Generator]:
@@ -196,54 +194,6 @@ def logged_losses(step_losses: list[float], every: int) -> list[dict]:
 def _duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
-
-
-def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
-    """accelerate's Accelerator for this run's precision, device and processes (under `accelerate launch`
-    it joins the process group: gloo on the CPU, nccl on GPUs). Its state is process-wide and refuses a
-    different precision once set, so each training run starts it afresh. With `log_dir`, losses go to
-    TensorBoard through accelerate's tracker."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
-                       log_with="tensorboard" if log_dir else None, project_dir=str(log_dir) if log_dir else None)
-
-
-def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
-    if tc["optimizer"] == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as e:
-            raise ValueError("train.optimizer=adamw8bit needs bitsandbytes and a CUDA GPU (pip install "
-                             "bitsandbytes); on this machine use train.optimizer=adamw") from e
-        return bnb.optim.AdamW8bit(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
-    return torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
-
-
-def prepare_denoiser(adapter, cfg: dict):
-    """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
-    checkpointing. Returns (denoiser, {name: trainable parameter})."""
-    tc = cfg["train"]
-    denoiser = adapter.load_denoiser()
-    denoiser.requires_grad_(False)
-    if cfg["model"]["storage_dtype"]:
-        # Base weights stored in fp8, each layer up-cast to the compute dtype for its forward (diffusers'
-        # layerwise casting). Only Linear/Conv layers are cast: embeddings and norms keep the compute
-        # dtype, so no fp8 index_select is ever hit. Enabled before peft wraps the layers, so the hooks sit
-        # on the base layers and the LoRA layers (added next, then made fp32) are not cast.
-        denoiser.enable_layerwise_casting(storage_dtype=getattr(torch, cfg["model"]["storage_dtype"]),
-                                          compute_dtype=adapter.dtype)
-    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
-    denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
-    named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
-    for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
-        p.data = p.data.float()
-    if tc["gradient_checkpointing"]:
-        denoiser.enable_gradient_checkpointing()
-    return denoiser, named
 
 
 def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,

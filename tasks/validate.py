@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from pathlib import Path
 
 from tasks import augment, memory
 from tasks.config import ConfigError

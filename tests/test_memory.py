@@ -8,26 +8,30 @@ import torch
 from tasks.config import ConfigError
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
-from tasks.train import prepare_denoiser
+from tasks.train_setup import prepare_denoiser
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _cfg(storage=None, checkpointing=False):
-    return {"model": {"family": "flux", "dtype": "bfloat16", "max_sequence_length": 32, "storage_dtype": storage},
+def _cfg(storage=None, checkpointing=False, modulation=False):
+    return {"model": {"family": "flux", "dtype": "bfloat16", "max_sequence_length": 32, "storage_dtype": storage,
+                      "storage_modulation": modulation},
             "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": checkpointing}}
 
 
-@pytest.mark.parametrize("family", ["flux", "sdxl"])
-def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, tmp_path):
+@pytest.mark.parametrize("family,modulation", [("flux", False), ("flux", True), ("sd3", True), ("sdxl", False)])
+def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, modulation, tmp_path):
     model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32}
     adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
-    cfg = _cfg("float8_e4m3fn")
+    cfg = _cfg("float8_e4m3fn", modulation=modulation)
     cfg["model"]["family"] = family
     denoiser, named = prepare_denoiser(adapter, cfg)
 
     dtypes = {n: p.dtype for n, p in denoiser.named_parameters()}
     assert any(d in FP8 for n, d in dtypes.items() if "base_layer" in n)  # the frozen Linear weights
+    modulation_linears = {n: d for n, d in dtypes.items() if ".norm" in n and ".linear." in n}  # AdaLN (Flux, SD3)
+    assert all((d in FP8) == modulation for d in modulation_linears.values())
+    assert modulation_linears or family == "sdxl"
     assert all(p.dtype == torch.float32 for p in named.values()) and all("lora_" in n for n in named)
     for name, module in denoiser.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.GroupNorm)):
@@ -69,6 +73,11 @@ def test_memory_options_through_the_dag(workspace):
 
     fp8 = workspace.run(*short, "model.storage_dtype=float8_e4m3fn")
     assert fp8["nodes"]["train"]["status"] == "ran" and len(fp8["artifacts"]["samples"]) == 3
+    fp8_all = workspace.run(*short, "model.storage_dtype=float8_e4m3fn", "model.storage_modulation=true")
+    assert fp8_all["nodes"]["train"]["status"] == "ran" and fp8_all["nodes"]["train"]["key"] != fp8["nodes"]["train"]["key"]
+    assert [e["loss"] for e in fp8_all["loss"]] != [e["loss"] for e in fp8["loss"]]  # the modulation did go fp8
+    # without a storage dtype the setting changes nothing, nor the key: the plain run's LoRA is reused
+    assert workspace.run(*short, "model.storage_modulation=true")["nodes"]["train"]["status"] == "cached"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages on a machine without CUDA")

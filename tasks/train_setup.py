@@ -1,0 +1,69 @@
+"""What the train node sets up before its loop: seeds, accelerate, the optimizer, and the denoiser with its
+LoRA and memory options. Separate from the loop so that bench/gpu.py and the tests prepare exactly what
+training does."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.hooks import apply_layerwise_casting
+from peft import LoraConfig
+
+from tasks.memory import layerwise_skip_patterns
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
+    """accelerate's Accelerator for this run's precision, device and processes (under `accelerate launch`
+    it joins the process group: gloo on the CPU, nccl on GPUs). Its state is process-wide and refuses a
+    different precision once set, so each training run starts it afresh. With `log_dir`, losses go to
+    TensorBoard through accelerate's tracker."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                       log_with="tensorboard" if log_dir else None, project_dir=str(log_dir) if log_dir else None)
+
+
+def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
+    if tc["optimizer"] == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise ValueError("train.optimizer=adamw8bit needs bitsandbytes and a CUDA GPU (pip install "
+                             "bitsandbytes); on this machine use train.optimizer=adamw") from e
+        return bnb.optim.AdamW8bit(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+    return torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+
+
+def prepare_denoiser(adapter, cfg: dict):
+    """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
+    checkpointing. Returns (denoiser, {name: trainable parameter})."""
+    tc = cfg["train"]
+    denoiser = adapter.load_denoiser()
+    denoiser.requires_grad_(False)
+    if cfg["model"]["storage_dtype"]:
+        # Base weights stored in fp8, each layer up-cast to the compute dtype for its forward (diffusers'
+        # layerwise casting). Embeddings and norms keep the compute dtype, so no fp8 index_select is ever
+        # hit; the AdaLN modulation linears too unless model.storage_modulation. Applied before peft wraps
+        # the layers, so the hooks sit on the base layers and the LoRA layers (added next, fp32) are not cast.
+        apply_layerwise_casting(denoiser, storage_dtype=getattr(torch, cfg["model"]["storage_dtype"]),
+                                compute_dtype=adapter.dtype, skip_modules_pattern=layerwise_skip_patterns(
+                                    type(denoiser), cfg["model"].get("storage_modulation", False)))
+    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+    denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
+                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
+    named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
+    for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
+        p.data = p.data.float()
+    if tc["gradient_checkpointing"]:
+        denoiser.enable_gradient_checkpointing()
+    return denoiser, named
