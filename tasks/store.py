@@ -282,6 +282,14 @@ class Store:
         except Exception as e:  # a header that passed the digest but is not safetensors: treat as corrupt
             raise CorruptArtifact(f"{path}: not a safetensors file ({e})") from e
 
+    def tensor_shapes(self, kind: str, key: str) -> dict[str, list[int]]:
+        """Name -> shape of a verified safetensors entry, from its header (the tensors are not loaded)."""
+        path = self.verify(kind, key)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
     def get_json(self, kind: str, key: str) -> Any:
         return json.loads(self.verify(kind, key).read_text())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ class _Captions:
         self.items, self.store, self.text_keys = plan["items"], store, text_keys
         self.aug = cache_text.caption_aug(cfg)
         self.mode = augment.text_mode(cfg["text"], self.aug)
-        self.adapter, self.memo = adapter, {}
+        self.adapter, self.memo = adapter, _Memo(MEMO_ITEMS)  # many variants of big T5 states: bounded
         if self.mode != "cached":
             self.encoders = adapter.load_text_encoders()
 
@@ -108,11 +109,7 @@ class _Captions:
             return self.adapter.encode_text(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
         label = augment.choose(item["caption"], self.aug, step, generator)
         key = self.text_keys["empty" if label is None else cache_text.caption_name(item["name"], label)]
-        if key not in self.memo:
-            if len(self.memo) >= 4096:  # bounded: many variants of big T5 states would not fit in memory
-                self.memo.clear()
-            self.memo[key] = self.store.get_tensors(cache_text.KIND, key)
-        return self.memo[key]
+        return self.memo.get_or_load(key, lambda: self.store.get_tensors(cache_text.KIND, key))
 
 
 def item_generators(seed: int, step: int, n: int) -> list[torch.Generator]:
@@ -149,12 +146,45 @@ def batch_at(step: int, groups: list[list[int]], batch_size: int, seed: int) -> 
     return batches[i]
 
 
-def buckets_of(latents: list[torch.Tensor]) -> list[list[int]]:
+def buckets_of(shapes: list[tuple[int, ...]]) -> list[list[int]]:
     """Indices grouped by latent shape (one group when every image has the training size)."""
     groups: dict[tuple, list[int]] = {}
-    for i, z in enumerate(latents):
-        groups.setdefault(tuple(z.shape), []).append(i)
+    for i, shape in enumerate(shapes):
+        groups.setdefault(tuple(shape), []).append(i)
     return [groups[k] for k in sorted(groups)]
+
+
+MEMO_ITEMS = 4096  # per kind; about 4 GiB of 1024px Flux latents. Beyond it, items are read again as needed
+
+
+class _Memo(OrderedDict):
+    """Stored tensors kept in RAM up to `size` entries, the least recently used dropped first."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or_load(self, key, load):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = load()
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+class _Latents:
+    """Cached latents by item index, read from the store when a batch needs them (in the loader thread
+    with CUDA) and kept in a bounded memo: a dataset that does not fit in RAM trains too. The shapes (for
+    the buckets) come from the entries' headers."""
+
+    def __init__(self, store: Store, keys: list[str]):
+        self.store, self.keys, self.memo = store, keys, _Memo(MEMO_ITEMS)
+        self.shapes = [tuple(store.tensor_shapes(cache_latents.KIND, k)["latents"]) for k in keys]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i])["latents"])
 
 
 def key_int(*parts) -> int:
@@ -205,7 +235,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     tc = cfg["train"]
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
-    latents = [store.get_tensors(cache_latents.KIND, latent_keys[n])["latents"] for n in names]
+    latents = _Latents(store, [latent_keys[n] for n in names])
     texts = _Captions(cfg, plan, store, adapter, text_keys)
 
     seed = int(tc["seed"])
@@ -242,10 +272,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
                  tc["max_steps"], len(names), tc["batch_size"], f" over {world} processes" if world > 1 else "",
                  tc["rank"], tc["lr"], sum(p.numel() for p in params))
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
-    groups = buckets_of(latents)
+    groups = buckets_of(latents.shapes)
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
-                 ", ".join(f"{tuple(latents[g[0]].shape[-2:])}: {len(g)}" for g in groups))
+                 ", ".join(f"{latents.shapes[g[0]][-2:]}: {len(g)}" for g in groups))
     def load_step(step: int) -> _Batch:  # with CUDA: one step ahead, in a thread (prefetch)
         idx = batch_at(step, groups, batch_size, seed)
         mine, weight = my_share(len(idx), rank, world)
