@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     from bench import common, compute, rerun  # noqa: E402  (after _env)
 
     q = args.quick
-    sizes = {"mid_images": 8 if q else 16, "mid_prompts": 4, "reps": 2 if q else 9, "train_steps": 6 if q else 12,
-             "train_warm_steps": 2, "train_reps": 1 if q else 5, "rerun_images": 200 if q else 1000,
+    sizes = {"mid_images": 8 if q else 16, "mid_prompts": 4, "reps": 2 if q else 9, "train_steps": 6 if q else 10,
+             "train_warm_steps": 2, "train_reps": 1 if q else 9, "rerun_images": 200 if q else 1000,
              "rerun_size": 32, "reruns": 2 if q else 3}
     figures, details, errors = [], {}, {}
     print(f"loraflow bench: work folder {work}", flush=True)
