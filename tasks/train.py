@@ -181,7 +181,13 @@ class _Latents:
 
     def __init__(self, store: Store, keys: list[str]):
         self.store, self.keys, self.memo = store, keys, _Memo(MEMO_ITEMS)
-        self.shapes = [tuple(store.tensor_shapes(cache_latents.KIND, k)["latents"]) for k in keys]
+        self.shapes = [tuple(self._shape(i)) for i in range(len(keys))]
+
+    def _shape(self, i: int):
+        # Up to the memo's size, the latent itself is loaded (and verified) once, here; beyond it, its header.
+        if len(self.memo) < self.memo.size:
+            return self[i].shape
+        return self.store.tensor_shapes(cache_latents.KIND, self.keys[i])["latents"]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i])["latents"])
