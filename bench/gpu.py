@@ -7,7 +7,7 @@
 
 What runs is loraflow's own training step, not a copy of it: the denoiser is prepared by the train node's
 `tasks.train_setup.prepare_denoiser` (frozen base, peft LoRA on the Flux adapter's default targets, fp32 LoRA
-weights, diffusers' layerwise casting for the fp8 base, gradient checkpointing), the loss is the Flux
+weights, the autograd-safe fp8 base of tasks/fp8_base.py, gradient checkpointing), the loss is the Flux
 adapter's `training_loss` (flow-matching noise and timesteps, 2x2 packing, velocity MSE), the optimizer is
 `tasks.train_setup.make_optimizer` (AdamW) and the step runs under bf16 autocast as `train.mixed_precision=bf16`
 does. Only the weights differ: FLUX.1-dev's transformer config (19 double + 38 single blocks, 24 heads x 128

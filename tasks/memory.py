@@ -49,11 +49,11 @@ def _lora_params(shapes: dict[str, list[int]], targets: list[str], rank: int) ->
 
 
 def layerwise_skip_patterns(denoiser_cls=None, modulation: bool = False) -> tuple[str, ...]:
-    """The module-name patterns kept in the compute dtype under layerwise casting: diffusers' defaults for
+    """The module-name patterns kept in the compute dtype with an fp8 base: diffusers' layerwise-casting defaults for
     this class (embeddings, norms incl. the AdaLN modulation linears under them, proj_in/proj_out) plus the
     class's own lists. `modulation`: without "norm", so the linears under norm-named modules (the AdaLN
-    modulation) are stored low too; the norm layers themselves are never cast (diffusers casts only
-    Linear, Conv and Embedding layers)."""
+    modulation) are stored low too; the norm layers themselves are never stored low (only Linear and Conv
+    weights are: tasks/fp8_base.py)."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
     own = [*(getattr(denoiser_cls, "_keep_in_fp32_modules", None) or ()),
@@ -64,20 +64,20 @@ def layerwise_skip_patterns(denoiser_cls=None, modulation: bool = False) -> tupl
 
 def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | None,
                         skip_patterns: tuple[str, ...]) -> int:
-    """Bytes of the base weights as training holds them. With a storage dtype, diffusers' layerwise casting
-    stores the Linear/Conv/Embedding layers (weights of 2+ dims, with their biases) in it, except those under
-    a module whose name matches a skip pattern (matched at every level of the path, as diffusers walks the
-    tree); everything else stays in the compute dtype."""
+    """Bytes of the base weights as training holds them. With a storage dtype (tasks/fp8_base.py), the weights
+    of the Linear/Conv layers (2+ dims; these denoisers have no nn.Embedding) are stored in it, except under a
+    module whose name matches a skip pattern at any level of the path; biases and everything else stay in the
+    compute dtype."""
     if not storage_dtype:
         return sum(_numel(s) for s in shapes.values()) * _BYTES[dtype]
-    castable = {n[: -len(".weight")] for n, s in shapes.items() if n.endswith(".weight") and len(s) >= 2}
 
-    def cast(module: str) -> bool:
-        parts = module.split(".")
-        return module in castable and not any(re.search(p, ".".join(parts[:i]))
-                                              for i in range(1, len(parts) + 1) for p in skip_patterns)
+    def stored_low(name: str, shape) -> bool:
+        if not name.endswith(".weight") or len(shape) < 2:
+            return False
+        parts = name.split(".")[:-1]
+        return not any(re.search(p, ".".join(parts[:i])) for i in range(1, len(parts) + 1) for p in skip_patterns)
 
-    return sum(_numel(s) * _BYTES[storage_dtype if cast(n.rsplit(".", 1)[0]) else dtype] for n, s in shapes.items())
+    return sum(_numel(s) * _BYTES[storage_dtype if stored_low(n, s) else dtype] for n, s in shapes.items())
 
 
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 from tasks.train_setup import make_accelerator, make_optimizer, prepare_denoiser, seed_everything
 
+FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
@@ -53,8 +54,11 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
 
 
 def _modulation(cfg: dict) -> dict:
-    # In the key only where it changes the weights: every existing key stays as it was.
-    return {"storage_modulation": True} if cfg["model"]["storage_dtype"] and cfg["model"].get("storage_modulation") else {}
+    # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
+    # LoRA bytes changed with tasks/fp8_base.py (the autograd-safe cast replaced layerwise casting).
+    if not cfg["model"]["storage_dtype"]:
+        return {}
+    return {"fp8_base": FP8_BASE_VERSION, **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
 
 
 def _sampling(cfg: dict) -> dict:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers.hooks import apply_layerwise_casting
 from peft import LoraConfig
 
+from tasks.fp8_base import store_base_low
 from tasks.memory import layerwise_skip_patterns
 
 
@@ -50,20 +50,19 @@ def prepare_denoiser(adapter, cfg: dict):
     tc = cfg["train"]
     denoiser = adapter.load_denoiser()
     denoiser.requires_grad_(False)
-    if cfg["model"]["storage_dtype"]:
-        # Base weights stored in fp8, each layer up-cast to the compute dtype for its forward (diffusers'
-        # layerwise casting). Embeddings and norms keep the compute dtype, so no fp8 index_select is ever
-        # hit; the AdaLN modulation linears too unless model.storage_modulation. Applied before peft wraps
-        # the layers, so the hooks sit on the base layers and the LoRA layers (added next, fp32) are not cast.
-        apply_layerwise_casting(denoiser, storage_dtype=getattr(torch, cfg["model"]["storage_dtype"]),
-                                compute_dtype=adapter.dtype, skip_modules_pattern=layerwise_skip_patterns(
-                                    type(denoiser), cfg["model"].get("storage_modulation", False)))
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
                                     target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()
+    if cfg["model"]["storage_dtype"]:
+        # The frozen base weights stored in fp8, each cast to the compute dtype inside an autograd Function
+        # that saves only the fp8 weight (tasks/fp8_base.py). Embeddings and norms keep the compute dtype (no
+        # fp8 index_select), the AdaLN modulation linears too unless model.storage_modulation. Applied after
+        # peft wrapped the layers, so the LoRA layers' initial weights never pass through fp8.
+        store_base_low(denoiser, getattr(torch, cfg["model"]["storage_dtype"]), adapter.dtype,
+                       layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)))
     if tc["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
     return denoiser, named

@@ -1,4 +1,4 @@
-"""Memory options on the CPU: an fp8-stored base (layerwise casting; never an fp8 embedding lookup),
+"""Memory options on the CPU: an fp8-stored base (tasks/fp8_base.py; never an fp8 embedding lookup),
 gradient checkpointing, mixed precision through accelerate, and clear errors for what needs CUDA."""
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, modulation,
 
     dtypes = {n: p.dtype for n, p in denoiser.named_parameters()}
     assert any(d in FP8 for n, d in dtypes.items() if "base_layer" in n)  # the frozen Linear weights
-    modulation_linears = {n: d for n, d in dtypes.items() if ".norm" in n and ".linear." in n}  # AdaLN (Flux, SD3)
+    modulation_linears = {n: d for n, d in dtypes.items()  # AdaLN (Flux, SD3); biases stay bf16
+                          if ".norm" in n and ".linear." in n and n.endswith(".weight")}
     assert all((d in FP8) == modulation for d in modulation_linears.values())
     assert modulation_linears or family == "sdxl"
     assert all(p.dtype == torch.float32 for p in named.values()) and all("lora_" in n for n in named)

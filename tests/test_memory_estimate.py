@@ -69,12 +69,15 @@ def test_flux_dev_at_1024(flux_dev_headers):
         any("train.gradient_checkpointing=true" in f for f in fits)
 
 
-def test_flux_dev_fp8_weights_are_the_bytes_layerwise_casting_keeps(flux_dev_headers):
+def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers):
     from diffusers import FluxTransformer2DModel
 
+    from tasks.fp8_base import store_base_low
+    from tasks.memory import layerwise_skip_patterns
+
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16)
-    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        model = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).requires_grad_(False)
+    store_base_low(model, torch.float8_e4m3fn, torch.bfloat16, layerwise_skip_patterns(FluxTransformer2DModel))
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     fp8 = _est(flux_dev_headers, {**_cfg(), "model": {**_cfg()["model"], "storage_dtype": "float8_e4m3fn"}})
     assert fp8["weights_gb"] * GB == held

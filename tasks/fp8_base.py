@@ -1,0 +1,124 @@
+"""An fp8-stored frozen base for training (`model.storage_dtype`): each frozen Linear/Conv weight is kept in
+fp8 and cast to the compute dtype inside one autograd Function, which saves only the fp8 weight for the
+backward pass and casts it again there. The compute-dtype copy lives for one layer's forward (or backward).
+
+Why not diffusers' layerwise casting (used before): it is an inference hook that swaps each Parameter's
+storage with `module.to()` around forward. Autograd has saved that Parameter, so backward either sees the
+fp8 storage (conv on AVX2 CPUs: "expected scalar type BFloat16 but found Float8_e4m3fn") or keeps the bf16
+copy alive until backward, which saves no memory in training. Why not a library: torchao's float8 training
+quantizes activations and gradients too and needs CUDA's scaled matmul; its and optimum-quanto's weight-only
+fp8 add per-channel scales (other numbers than sd-scripts' plain `--fp8_base` cast) and quanto is in
+maintenance. This is the plain cast, the same numbers as an upcast copy of the fp8 weights (tested).
+
+Embeddings are never stored in fp8 (no fp8 index_select: sd-scripts' failure, seeds.md 1)."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+
+# Registered under diffusers' layerwise-casting name: `ModelMixin.dtype` reads that hook's `compute_dtype`,
+# so pipelines built around the training denoiser (samples during training) see bf16, not fp8.
+HOOK_NAME = "layerwise_casting"
+CASTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+class _LinearFromStorage(torch.autograd.Function):
+    """y = x @ W^T + b with W stored low; saves W as stored (not its upcast copy); W and b take no grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, compute_dtype):
+        ctx.save_for_backward(weight)
+        ctx.compute_dtype, ctx.x_dtype = compute_dtype, x.dtype
+        return F.linear(x, weight.to(compute_dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (weight,) = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_out @ weight.to(grad_out.dtype)).to(ctx.x_dtype)
+        return grad_x, None, None, None
+
+
+class _ConvFromStorage(torch.autograd.Function):
+    """conv(x, W) + b with W stored low: saves W as stored and the input's shape only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, compute_dtype, stride, padding, dilation, groups):
+        ctx.save_for_backward(weight)
+        ctx.geometry = (x.shape, x.dtype, stride, padding, dilation, groups)
+        conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[weight.dim()]
+        return conv(x, weight.to(compute_dtype), bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (weight,) = ctx.saved_tensors
+        shape, x_dtype, stride, padding, dilation, groups = ctx.geometry
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            shaped = grad_out.new_empty(1).expand(shape)  # convolution_backward reads only the input's shape
+            n = weight.dim() - 2
+            grad_x = torch.ops.aten.convolution_backward(
+                grad_out, shaped, weight.to(grad_out.dtype), None, stride, padding, dilation, False, [0] * n,
+                groups, (True, False, False))[0].to(x_dtype)
+        return (grad_x,) + (None,) * 7
+
+
+class StorageCastHook(ModelHook):
+    """Replaces a frozen Linear/Conv's forward with the autograd-safe cast from its stored (fp8) weight."""
+
+    _is_stateful = False
+
+    def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype):
+        super().__init__()
+        self.storage_dtype, self.compute_dtype = storage_dtype, compute_dtype
+
+    def initialize_hook(self, module):
+        module.weight.data = module.weight.data.to(self.storage_dtype)
+        if module.bias is not None:  # small; kept in the compute dtype so forward adds it without a cast
+            module.bias.data = module.bias.data.to(self.compute_dtype)
+        return module
+
+    def new_forward(self, module, x, *args, **kwargs):
+        weight, bias = module.weight, module.bias
+        if isinstance(module, torch.nn.Linear):
+            return _LinearFromStorage.apply(x, weight, bias, self.compute_dtype)
+        if module.padding_mode != "zeros":  # pad outside the Function: autograd differentiates F.pad
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+            padding = (0,) * (weight.dim() - 2)
+        else:
+            padding = module.padding
+        return _ConvFromStorage.apply(x, weight, bias, self.compute_dtype, module.stride, padding,
+                                      module.dilation, module.groups)
+
+
+def _castable(module: torch.nn.Module) -> bool:
+    # padding="same"/"valid" strings have no convolution_backward form here; none of our denoisers uses them
+    return isinstance(module, CASTABLE) and not isinstance(getattr(module, "padding", 0), str)
+
+
+def _skipped(path: str, skip_patterns: tuple[str, ...]) -> bool:
+    """diffusers' layerwise-casting rule: a pattern matching the module's path at any level skips it.
+    peft's wrappers are transparent (`x.base_layer` is matched as `x`), and its adapter layers never cast."""
+    parts = [p for p in path.split(".") if p != "base_layer"]
+    if any(p.startswith("lora_") for p in parts):
+        return True
+    return any(re.search(p, ".".join(parts[:i])) for i in range(1, len(parts) + 1) for p in skip_patterns)
+
+
+def store_base_low(model: torch.nn.Module, storage_dtype: torch.dtype, compute_dtype: torch.dtype,
+                   skip_patterns: tuple[str, ...]) -> list[str]:
+    """Stores every frozen Linear/Conv weight of `model` not matched by `skip_patterns` in `storage_dtype`,
+    computing in `compute_dtype`. Apply after peft added its layers (their fp32 weights stay as they are).
+    Returns the paths of the layers stored low."""
+    stored = []
+    for path, module in model.named_modules():
+        if not _castable(module) or module.weight.requires_grad or _skipped(path, skip_patterns):
+            continue
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(
+            StorageCastHook(storage_dtype, compute_dtype), HOOK_NAME)
+        stored.append(path)
+    return stored
