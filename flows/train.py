@@ -15,6 +15,7 @@ import time
 from prefect import flow
 
 from flows.artifacts import publish_artifacts
+from flows.logs import log_nodes, log_to_file, run_logs
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.checkpoint_samples import all_valid
@@ -50,11 +51,13 @@ def _run(task, store: Store, **params) -> dict:
 
 
 @flow(name="loraflow", persist_result=False)
+@run_logs  # loraflow's log to Prefect's API and <run dir>/loraflow.log
 def train_flow(config_name: str = "train", overrides: list[str] | None = None) -> dict:
     cfg_node, run_dir = compose(config_name, overrides)
     cfg = resolve_paths(cfg_node)
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_to_file(run_dir)
     repaired = track_repairs()  # every corrupt entry/record found (and recomputed) in this run, for the report
     store = open_store(cfg["store"])
     previous = (store.read_record(config_name) or {}).get("inputs", {})
@@ -85,6 +88,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
+    log_nodes(report["nodes"])
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
     log.info("report:  %s", path)
