@@ -43,6 +43,27 @@ class ToPrefectAPI(APILogHandler):
         super().emit(record)
 
 
+class _NoUserErrorTraceback(logging.Filter):
+    """Prefect's engine logs a failed task or flow with its traceback; for loraflow's user errors (bad config
+    or data: the message says what to fix) the message is enough, on the terminal and in the API."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from flows.train import USER_ERRORS
+
+        if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _NoUserErrorTraceback()
+
+
+def quiet_user_errors() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        if _QUIET not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_QUIET)
+
+
 def _flow_run_id() -> str | None:
     from prefect.context import FlowRunContext
 
@@ -76,6 +97,7 @@ def run_logs(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        quiet_user_errors()
         logger = logging.getLogger(LOGGER)
         handlers: list[logging.Handler] = []
         if (flow_run_id := _flow_run_id()) is not None:

@@ -14,6 +14,7 @@ import time
 
 from prefect import flow
 
+from flows import sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
@@ -140,13 +141,22 @@ def _hydra_main() -> None:
             check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
+            if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its summary lists the member as failed
+                return sweep.member_failed(hc.runtime.output_dir, e)
             print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
-            if hc.mode == RunMode.MULTIRUN:
-                raise  # Hydra marks the member failed and runs the rest; the sweep summary lists it
             sys.exit(2)
+        except Exception as e:
+            if hc.mode == RunMode.MULTIRUN:
+                return sweep.member_failed(hc.runtime.output_dir, e)
+            raise
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
 
     main()
+    if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)
+        names = ", ".join(m["member"] for m in sweep.failed_members)
+        print(f"loraflow: sweep: {len(sweep.failed_members)} member(s) failed ({names}); errors in "
+              f"{sweep.summary_path}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
