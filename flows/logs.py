@@ -102,6 +102,11 @@ def run_logs(fn):
         handlers: list[logging.Handler] = []
         if (flow_run_id := _flow_run_id()) is not None:
             handlers.append(ToPrefectAPI(flow_run_id))
+        # Prefect's own API handler (PREFECT_LOGGING_EXTRA_LOGGERS=loraflow) steps aside while ours runs:
+        # each record once, and records from threads without a run context are not dropped.
+        prefects = [h for h in logger.handlers if isinstance(h, APILogHandler)] if handlers else []
+        for h in prefects:
+            logger.removeHandler(h)
         for h in handlers:
             logger.addHandler(h)
         level = logger.level
@@ -123,6 +128,8 @@ def run_logs(fn):
                 logger.removeHandler(h)
                 if not isinstance(h, APILogHandler):
                     h.close()
+            for h in prefects:
+                logger.addHandler(h)
             if handlers and isinstance(handlers[0], APILogHandler):
                 handlers[0].flush()  # send this run's records before the flow run ends
 

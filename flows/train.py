@@ -14,7 +14,7 @@ import time
 
 from prefect import flow
 
-from flows import sweep
+from flows import auth, sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
@@ -129,6 +129,7 @@ def _hydra_main() -> None:
     from omegaconf import OmegaConf
 
     _stop_on_bad_config()
+    auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
@@ -146,6 +147,7 @@ def _hydra_main() -> None:
             print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
             sys.exit(2)
         except Exception as e:
+            auth.stop_on_auth_failure(e)
             if hc.mode == RunMode.MULTIRUN:
                 return sweep.member_failed(hc.runtime.output_dir, e)
             raise

@@ -25,7 +25,9 @@ def test_flow_run_logs_reach_the_api_and_the_run_folder(prefect_api, workspace):
     run_dir = workspace.root / "logged"
     out = train_flow(config_name="train", overrides=[*workspace.overrides(), f"hydra.run.dir={run_dir}",
                                                      "train.lr=7e-4", *FAST])
-    messages = "\n".join(_api_logs(out["flow_run_id"]))
+    logged = _api_logs(out["flow_run_id"])
+    messages = "\n".join(logged)
+    assert sum(m.startswith("report:") for m in logged) == 1, messages  # each record once
     for expected in ("validate: 12 images", "train: 12 steps", "loss", "ETA", "cache_latents:", "sample:",
                      "LoRA:", "report:", str(run_dir)):
         assert expected in messages, f"{expected!r} not in the API's logs:\n{messages}"
