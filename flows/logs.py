@@ -97,40 +97,45 @@ def run_logs(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        quiet_user_errors()
-        logger = logging.getLogger(LOGGER)
-        handlers: list[logging.Handler] = []
-        if (flow_run_id := _flow_run_id()) is not None:
-            handlers.append(ToPrefectAPI(flow_run_id))
-        # Prefect's own API handler (PREFECT_LOGGING_EXTRA_LOGGERS=loraflow) steps aside while ours runs:
-        # each record once, and records from threads without a run context are not dropped.
-        prefects = [h for h in logger.handlers if isinstance(h, APILogHandler)] if handlers else []
-        for h in prefects:
-            logger.removeHandler(h)
-        for h in handlers:
-            logger.addHandler(h)
-        level = logger.level
-        if logger.getEffectiveLevel() > logging.INFO:  # a worker's root logger is at WARNING
-            logger.setLevel(logging.INFO)
-        token = _active.set(handlers)
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as e:
-            record = logger.makeRecord(LOGGER, logging.ERROR, __file__, 0, "stopped: %s: %s",
-                                       (type(e).__name__, e), None)
-            for h in handlers:  # not through the logger: the terminal gets the error once, from its caller
-                h.handle(record)
-            raise
-        finally:
-            _active.reset(token)
-            logger.setLevel(level)
-            for h in handlers:
-                logger.removeHandler(h)
-                if not isinstance(h, APILogHandler):
-                    h.close()
-            for h in prefects:
-                logger.addHandler(h)
-            if handlers and isinstance(handlers[0], APILogHandler):
-                handlers[0].flush()  # send this run's records before the flow run ends
+        return _call_with_logs(fn, args, kwargs)  # a module-level function: joblib's cloudpickle takes it by name
 
     return wrapper
+
+
+def _call_with_logs(fn, args, kwargs):
+    """run_logs' body."""
+    quiet_user_errors()
+    logger = logging.getLogger(LOGGER)
+    handlers: list[logging.Handler] = []
+    if (flow_run_id := _flow_run_id()) is not None:
+        handlers.append(ToPrefectAPI(flow_run_id))
+    # Prefect's own API handler (PREFECT_LOGGING_EXTRA_LOGGERS=loraflow) steps aside while ours runs:
+    # each record once, and records from threads without a run context are not dropped.
+    prefects = [h for h in logger.handlers if isinstance(h, APILogHandler)] if handlers else []
+    for h in prefects:
+        logger.removeHandler(h)
+    for h in handlers:
+        logger.addHandler(h)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:  # a worker's root logger is at WARNING
+        logger.setLevel(logging.INFO)
+    token = _active.set(handlers)
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        record = logger.makeRecord(LOGGER, logging.ERROR, __file__, 0, "stopped: %s: %s",
+                                   (type(e).__name__, e), None)
+        for h in handlers:  # not through the logger: the terminal gets the error once, from its caller
+            h.handle(record)
+        raise
+    finally:
+        _active.reset(token)
+        logger.setLevel(level)
+        for h in handlers:
+            logger.removeHandler(h)
+            if not isinstance(h, APILogHandler):
+                h.close()
+        for h in prefects:
+            logger.addHandler(h)
+        if handlers and isinstance(handlers[0], APILogHandler):
+            handlers[0].flush()  # send this run's records before the flow run ends
