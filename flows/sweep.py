@@ -11,7 +11,9 @@ Prefect API, because each process would otherwise start its own ephemeral API on
 start `prefect server start` and export `PREFECT_API_URL=http://127.0.0.1:4200/api` first.
 
 The summary is built from files, so it works with any launcher: each member's `report.json` and the
-overrides Hydra saves in `<member dir>/.hydra/overrides.yaml`.
+overrides Hydra saves in `<member dir>/.hydra/overrides.yaml`. A member that fails returns normally (so
+Hydra runs the rest) after `member_failed` writes `<member dir>/error.txt`; the summary lists it as failed
+with that error, and `python -m flows.train -m` then exits 1 with one line (`failed_members`).
 """
 from __future__ import annotations
 
