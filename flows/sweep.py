@@ -11,7 +11,9 @@ Prefect API, because each process would otherwise start its own ephemeral API on
 start `prefect server start` and export `PREFECT_API_URL=http://127.0.0.1:4200/api` first.
 
 The summary is built from files, so it works with any launcher: each member's `report.json` and the
-overrides Hydra saves in `<member dir>/.hydra/overrides.yaml`.
+overrides Hydra saves in `<member dir>/.hydra/overrides.yaml`. A member that fails returns normally (so
+Hydra runs the rest) after `member_failed` writes `<member dir>/error.txt`; the summary lists it as failed
+with that error, and `python -m flows.train -m` then exits 1 with one line (`failed_members`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("loraflow")
+ERROR_FILE = "error.txt"  # <member dir>/error.txt: why a member failed (one message), for the summary
+failed_members: list[dict] = []  # set by SweepSummary.on_multirun_end: the sweep's failed members
+summary_path: Path | None = None  # ... and its summary.md
 NODES = ("validate", "cache_latents", "cache_text", "train", "sample")  # as tasks.report.NODES (kept light)
 
 
@@ -62,6 +67,9 @@ def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str],
         report = json.loads(report_path.read_text())
     except (FileNotFoundError, ValueError):
         report = None
+    error_file = out_dir / ERROR_FILE
+    if error_file.is_file():  # the member's own record of its failure (any launcher)
+        status, error = "failed", error or error_file.read_text().strip()
     if report is None:
         entry.update(status="failed", error=error or f"no report at {report_path}")
         return entry
@@ -76,6 +84,32 @@ def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str],
                  nodes={n: {k: nodes[n].get(k) for k in ("status", "computed", "reused", "seconds")}
                         for n in NODES if n in nodes})
     return entry
+
+
+def member_failed(out_dir: str | Path, error: BaseException) -> dict:
+    """A failed member: its error in `<member dir>/error.txt` (and the traceback, for an unexpected error, in
+    `traceback.txt`), one line on stderr. The member returns normally, so the sweep goes on to the others."""
+    import sys
+    import traceback
+
+    out_dir = Path(out_dir)
+    message = f"{type(error).__name__}: {error}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write(out_dir / ERROR_FILE, message + "\n")
+    if not isinstance(error, _user_errors()):
+        _write(out_dir / "traceback.txt", "".join(traceback.format_exception(error)))
+    print(f"loraflow: sweep member {out_dir.name} failed: {_one_line(message)}", file=sys.stderr)
+    return {"failed": message}
+
+
+def _user_errors() -> tuple[type, ...]:
+    from flows.train import USER_ERRORS
+
+    return USER_ERRORS
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def summarise(sweep_dir: Path, members: list[dict], swept: list[str]) -> dict:
@@ -104,7 +138,7 @@ def to_markdown(summary: dict) -> str:
     for m in summary["members"]:
         shown = " ".join(f"`{o}`" for o in (m["swept"] or m["overrides"])) or "-"
         if m["status"] == "failed":
-            lines.append(f"| {m['member']} | {shown} | failed: {m.get('error', '')} | | | |" + " |" * (len(NODES) - 1))
+            lines.append(f"| {m['member']} | {shown} | failed: {_one_line(m.get('error', '')).replace('|', '/')} | | | |" + " |" * (len(NODES) - 1))
             continue
         loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"
         link = lambda p, label: f"[{label}]({_rel(p, base)})" if p else "-"  # noqa: E731
@@ -144,8 +178,11 @@ class SweepSummary(Callback):
         try:
             status = getattr(job_return.status, "name", str(job_return.status)).lower()
             error = None
+            value = job_return._return_value
             if status == "failed":
-                error = f"{type(job_return._return_value).__name__}: {job_return._return_value}"
+                error = f"{type(value).__name__}: {value}"
+            elif isinstance(value, dict) and "failed" in value:  # member_failed
+                status, error = "failed", value["failed"]
             self.jobs.append({"dir": str(config.hydra.runtime.output_dir), "overrides": list(job_return.overrides or []),
                               "status": status, "error": error})
         except Exception as e:  # a summary must never fail a job
@@ -172,6 +209,9 @@ class SweepSummary(Callback):
             sweep_dir.mkdir(parents=True, exist_ok=True)
             _write(sweep_dir / "summary.json", json.dumps(summary, indent=2))
             _write(sweep_dir / "summary.md", to_markdown(summary))
+            global summary_path
+            failed_members[:] = [m for m in members if m["status"] == "failed"]
+            summary_path = sweep_dir / "summary.md"
             print(f"\nloraflow: sweep of {len(members)} member(s) done; summary in {sweep_dir / 'summary.md'}")
         except Exception as e:  # the members' results are on disk; a broken summary must not hide them
             log.warning("sweep summary: not written (%s: %s)", type(e).__name__, e)

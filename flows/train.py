@@ -14,7 +14,9 @@ import time
 
 from prefect import flow
 
+from flows import auth, sweep
 from flows.artifacts import publish_artifacts
+from flows.logs import log_nodes, log_to_file, run_logs
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.checkpoint_samples import all_valid
@@ -50,11 +52,13 @@ def _run(task, store: Store, **params) -> dict:
 
 
 @flow(name="loraflow", persist_result=False)
+@run_logs  # loraflow's log to Prefect's API and <run dir>/loraflow.log
 def train_flow(config_name: str = "train", overrides: list[str] | None = None) -> dict:
     cfg_node, run_dir = compose(config_name, overrides)
     cfg = resolve_paths(cfg_node)
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_to_file(run_dir)
     repaired = track_repairs()  # every corrupt entry/record found (and recomputed) in this run, for the report
     store = open_store(cfg["store"])
     previous = (store.read_record(config_name) or {}).get("inputs", {})
@@ -85,6 +89,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
+    log_nodes(report["nodes"])
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
     log.info("report:  %s", path)
@@ -124,6 +129,7 @@ def _hydra_main() -> None:
     from omegaconf import OmegaConf
 
     _stop_on_bad_config()
+    auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
@@ -136,13 +142,23 @@ def _hydra_main() -> None:
             check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
+            if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its summary lists the member as failed
+                return sweep.member_failed(hc.runtime.output_dir, e)
             print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
-            if hc.mode == RunMode.MULTIRUN:
-                raise  # Hydra marks the member failed and runs the rest; the sweep summary lists it
             sys.exit(2)
+        except Exception as e:
+            auth.stop_on_auth_failure(e)
+            if hc.mode == RunMode.MULTIRUN:
+                return sweep.member_failed(hc.runtime.output_dir, e)
+            raise
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
 
     main()
+    if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)
+        names = ", ".join(m["member"] for m in sweep.failed_members)
+        print(f"loraflow: sweep: {len(sweep.failed_members)} member(s) failed ({names}); errors in "
+              f"{sweep.summary_path}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -219,12 +219,14 @@ def _b64(text: str) -> str:
 
 @contextlib.contextmanager
 def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: float = 120,
-                   services: dict[str, bool] | None = None) -> Iterator[PrefectServer]:
+                   services: dict[str, bool] | None = None,
+                   server_settings: dict[str, str] | None = None) -> Iterator[PrefectServer]:
     """Starts `prefect server start --host 127.0.0.1 --port <free>` with PREFECT_HOME and a SQLite database
     under `root`; yields a PrefectServer once GET /api/health answers. On exit (also on error) stops every
     process started through it (workers included), group by group.
 
-    `services` switches server services on or off, e.g. {"scheduler": False}.
+    `services` switches server services on or off, e.g. {"scheduler": False}; `server_settings` adds settings
+    for the server only (e.g. PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS).
     """
     root = Path(root)
     home = root / "prefect-home"
@@ -241,6 +243,7 @@ def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: 
         server_env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     for service, enabled in (services or {}).items():
         server_env[f"PREFECT_SERVER_SERVICES_{service.upper()}_ENABLED"] = str(enabled).lower()
+    server_env.update(server_settings or {})
 
     server = PrefectServer(url, client_env, root, auth_string)
     try:

@@ -45,3 +45,21 @@ def test_parallel_sweep_members_share_one_store(tmp_path):
     assert list((store / "tmp").iterdir()) == []  # no temp debris from either member
     summary = json.loads((sweep / "summary.json").read_text())
     assert [m["status"] for m in summary["members"]] == ["completed", "completed"]
+
+
+def test_parallel_sweep_with_a_failing_member(tmp_path):
+    """Members in joblib's worker processes: the failed one is listed from its folder (error.txt)."""
+    data, missing, sweep = tmp_path / "data", tmp_path / "missing", tmp_path / "sweep"
+    shutil.copytree(REPO / "data" / "demo", data)
+    with prefect_server(tmp_path / "prefect") as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{data}", "hydra/launcher=joblib",
+             "hydra.launcher.n_jobs=2", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
+             "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
+            cwd=REPO, env=server.env, text=True, capture_output=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert f"loraflow: sweep: 1 member(s) failed (0); errors in {sweep / 'summary.md'}" in proc.stderr.splitlines()
+    failed, ok = json.loads((sweep / "summary.json").read_text())["members"]
+    assert failed["status"] == "failed" and str(missing) in failed["error"], failed
+    assert ok["status"] == "completed", ok

@@ -48,6 +48,34 @@ def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
     assert "train.lr=0.001" in md and "train.lr=0.002" in md and "0/report.json" in md
 
 
+def test_sweep_with_a_failing_member_summarises_it_and_exits_non_zero(tmp_path):
+    """A member that fails on bad input (here a missing data.dir) does not stop the sweep: the others run,
+    the summary lists it as failed with its error, and the sweep exits non-zero with one line, no traceback."""
+    good, missing, sweep = tmp_path / "good", tmp_path / "missing", tmp_path / "sweep"
+    shutil.copytree(REPO / "data" / "demo", good)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{good}", f"store.root={tmp_path / 'store'}",
+         f"hydra.sweep.dir={sweep}", "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
+        cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert [line for line in proc.stderr.splitlines() if "member(s) failed" in line] == [
+        f"loraflow: sweep: 1 member(s) failed (0); errors in {sweep / 'summary.md'}"], proc.stderr[-3000:]
+
+    summary = json.loads((sweep / "summary.json").read_text())
+    failed, ok = summary["members"]
+    assert (failed["member"], failed["status"]) == ("0", "failed")
+    assert failed["error"].startswith("DatasetError: ") and str(missing) in failed["error"], failed
+    assert failed["swept"] == [f"data.dir={missing}"]
+    assert (ok["member"], ok["status"]) == ("1", "completed") and Path(ok["lora"]).is_file()
+    assert summary["lowest_final_loss"]["member"] == "1"
+    md = (sweep / "summary.md").read_text()
+    assert "| 0 |" in md and "failed: DatasetError" in md and str(missing) in md and "1/report.json" in md
+
+
 def _member(sweep: Path, n: str, overrides: list[str], loss: float | None) -> None:
     (sweep / n / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(overrides), sweep / n / ".hydra" / "overrides.yaml")

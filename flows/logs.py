@@ -1,0 +1,141 @@
+"""loraflow's own log for every flow run: to Prefect's API (so `prefect flow-run logs <id>` and the UI show
+it, CLI and deployment runs alike) and to `<run dir>/loraflow.log`.
+
+    @flow(...)
+    @run_logs            # inside the flow run: forwards the "loraflow" logger to the API while it runs
+    def train_flow(...):
+        ...
+        log_to_file(run_dir)   # once the run dir is known
+
+Only handlers that print nothing are added to the "loraflow" logger (the API and the file), so a terminal
+shows each line once, through whatever handler the root logger has (Hydra's, or Prefect's console in a
+worker's flow-run process). Records from threads without a Prefect run context (prefetch threads, tqdm)
+are stamped with the flow run's id.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from pathlib import Path
+
+from prefect.logging.handlers import APILogHandler
+
+LOGGER = "loraflow"
+LOG_FILE = "loraflow.log"
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_active: contextvars.ContextVar[list[logging.Handler] | None] = contextvars.ContextVar("loraflow_run_logs", default=None)
+
+
+class ToPrefectAPI(APILogHandler):
+    """Prefect's API log handler for one flow run, also for records logged outside its run context."""
+
+    def __init__(self, flow_run_id: str):
+        super().__init__()
+        self.flow_run_id = flow_run_id
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "flow_run_id", None) is None:
+            from prefect.context import FlowRunContext, TaskRunContext
+
+            if FlowRunContext.get() is None and TaskRunContext.get() is None:
+                record = logging.makeLogRecord({**record.__dict__, "flow_run_id": self.flow_run_id})
+        super().emit(record)
+
+
+class _NoUserErrorTraceback(logging.Filter):
+    """Prefect's engine logs a failed task or flow with its traceback; for loraflow's user errors (bad config
+    or data: the message says what to fix) the message is enough, on the terminal and in the API."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from flows.train import USER_ERRORS
+
+        if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _NoUserErrorTraceback()
+
+
+def quiet_user_errors() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        if _QUIET not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_QUIET)
+
+
+def _flow_run_id() -> str | None:
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+
+
+def log_to_file(run_dir: Path) -> Path | None:
+    """Adds `<run dir>/loraflow.log` (appended to) to the current run's handlers; removed when the run ends."""
+    handlers = _active.get()
+    if handlers is None:
+        return None
+    path = Path(run_dir) / LOG_FILE
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    logging.getLogger(LOGGER).addHandler(handler)
+    handlers.append(handler)
+    return path
+
+
+def log_nodes(nodes: dict) -> None:
+    """One line per node of the report: status, items computed and reused, seconds."""
+    for name, e in nodes.items():
+        logging.getLogger(LOGGER).info("%-13s %-6s %d computed, %d reused, %.1f s", name + ":", e.get("status", ""),
+                                       e.get("computed", 0), e.get("reused", 0), e.get("seconds", 0.0))
+
+
+def run_logs(fn):
+    """Wraps a flow function: "loraflow" records at INFO and above go to the API (and, after `log_to_file`,
+    to the run's file) while it runs. An error that ends the run is written there too, never printed."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return _call_with_logs(fn, args, kwargs)  # a module-level function: joblib's cloudpickle takes it by name
+
+    return wrapper
+
+
+def _call_with_logs(fn, args, kwargs):
+    """run_logs' body."""
+    quiet_user_errors()
+    logger = logging.getLogger(LOGGER)
+    handlers: list[logging.Handler] = []
+    if (flow_run_id := _flow_run_id()) is not None:
+        handlers.append(ToPrefectAPI(flow_run_id))
+    # Prefect's own API handler (PREFECT_LOGGING_EXTRA_LOGGERS=loraflow) steps aside while ours runs:
+    # each record once, and records from threads without a run context are not dropped.
+    prefects = [h for h in logger.handlers if isinstance(h, APILogHandler)] if handlers else []
+    for h in prefects:
+        logger.removeHandler(h)
+    for h in handlers:
+        logger.addHandler(h)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:  # a worker's root logger is at WARNING
+        logger.setLevel(logging.INFO)
+    token = _active.set(handlers)
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        record = logger.makeRecord(LOGGER, logging.ERROR, __file__, 0, "stopped: %s: %s",
+                                   (type(e).__name__, e), None)
+        for h in handlers:  # not through the logger: the terminal gets the error once, from its caller
+            h.handle(record)
+        raise
+    finally:
+        _active.reset(token)
+        logger.setLevel(level)
+        for h in handlers:
+            logger.removeHandler(h)
+            if not isinstance(h, APILogHandler):
+                h.close()
+        for h in prefects:
+            logger.addHandler(h)
+        if handlers and isinstance(handlers[0], APILogHandler):
+            handlers[0].flush()  # send this run's records before the flow run ends
