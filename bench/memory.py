@@ -147,3 +147,132 @@ def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, m
         del model, params, latents, text, loss, counter
     return {"weights_bytes": weights, "lora_params": lora_params, "lora_grad_bytes": grads,
             "saved_bytes": saved, "recompute_bytes": recompute, "activation_bytes": saved + recompute}
+
+
+def write_headers(folder: Path, arch: dict) -> Path:
+    """The denoiser as the preflight estimate reads it: config.json + a header-only safetensors file (bf16
+    shapes, no weights), from the model built on the meta device."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**arch)
+    sub = Path(folder) / "transformer"
+    sub.mkdir(parents=True, exist_ok=True)
+    (sub / "config.json").write_text(json.dumps(dict(model.config), default=list))
+    header, offset = {}, 0
+    for name, t in model.state_dict().items():
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel() * 2]}
+        offset += t.numel() * 2
+    raw = json.dumps(header).encode()
+    (sub / "diffusion_pytorch_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    return Path(folder)
+
+
+def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,
+              optimizer: str = "adamw") -> dict:
+    """tasks.memory.estimate for the same configuration, as the validate node computes it."""
+    from diffusers import FluxTransformer2DModel
+
+    from tasks.memory import estimate
+    from tasks.models.flux import FluxAdapter
+
+    cfg = {"model": {"dtype": "bfloat16", "storage_dtype": "float8_e4m3fn" if fp8 else None,
+                     "storage_modulation": modulation, "max_sequence_length": text_len},
+           "train": {"rank": rank, "batch_size": 1, "optimizer": optimizer, "mixed_precision": "bf16",
+                     "gradient_checkpointing": ckpt}}
+    return estimate(cfg, folder, "transformer", FluxAdapter.default_lora_targets(None), (resolution, resolution),
+                    text_len, FluxTransformer2DModel)
+
+
+def row(name: str, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,
+        arch: dict, folder: Path) -> dict:
+    t = time.perf_counter()
+    m = measure(arch, resolution, text_len, fp8, ckpt, modulation, rank)
+    lora_bytes = m["lora_params"] * 4 + m["lora_grad_bytes"]  # fp32 weights + their gradients
+    held = {opt: m["weights_bytes"] + lora_bytes + m["lora_params"] * b + m["activation_bytes"]
+            for opt, b in OPTIMIZER_BYTES.items()}
+    est = preflight(folder, resolution, text_len, fp8, ckpt, modulation, rank)
+    return {"name": name, "measured_gib": held["adamw"] / GIB, "preflight_gib": est["total_gb"],
+            "estimate_error": est["total_gb"] / (held["adamw"] / GIB) - 1,
+            "resolution": resolution, "image_tokens": (resolution // 16) ** 2, "text_tokens": text_len,
+            "rank": rank, "fp8": fp8, "checkpointing": ckpt, "modulation_fp8": modulation,
+            "weights_gib": m["weights_bytes"] / GIB, "lora_params": m["lora_params"],
+            "lora_and_grads_gib": lora_bytes / GIB, "adamw_state_gib": m["lora_params"] * 8 / GIB,
+            "measured_adamw8bit_gib": held["adamw8bit"] / GIB,
+            "saved_activations_gib": m["saved_bytes"] / GIB, "recompute_gib": m["recompute_bytes"] / GIB,
+            "activations_gib": m["activation_bytes"] / GIB, "preflight_activations_gib": est["activations_gb"],
+            "preflight_weights_gib": est["weights_gb"], "seconds": time.perf_counter() - t}
+
+
+TABLE_HEAD = ("| config | size | weights | LoRA + grads + AdamW | saved activations | + recompute | measured | "
+              "preflight | error |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [TABLE_HEAD]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['resolution']} | {r['weights_gib']:.2f} | "
+                     f"{r['lora_and_grads_gib'] + r['adamw_state_gib']:.2f} | {r['saved_activations_gib']:.2f} | "
+                     f"{r['recompute_gib']:.2f} | {r['measured_gib']:.2f} | {r['preflight_gib']:.2f} | "
+                     f"{r['estimate_error'] * 100:+.1f} % |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import tempfile
+
+    import torch
+
+    from bench.gpu import FLUX_DEV
+
+    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(HERE / "memory.json"), help="JSON file (default bench/memory.json)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--text-len", type=int, default=512, help="T5 tokens (default 512)")
+    ap.add_argument("--resolutions", default="1024,512", help="comma list of square sizes in pixels")
+    ap.add_argument("--only", default=",".join(c[0] for c in CONFIGS), help="comma list of " +
+                    ", ".join(c[0] for c in CONFIGS))
+    args = ap.parse_args(argv)
+    wanted = set(args.only.split(","))
+    t0 = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_headers(Path(tmp), FLUX_DEV)
+        for i, res in enumerate(int(r) for r in args.resolutions.split(",")):
+            for name, fp8, ckpt, modulation in CONFIGS:
+                if name in wanted:
+                    label = name if i == 0 else f"{name}@{res}"  # the first size keeps the plain names
+                    rows.append(row(label, res, args.text_len, fp8, ckpt, modulation, args.rank, FLUX_DEV, folder))
+                    r = rows[-1]
+                    print(f"  {label:<18} measured {r['measured_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} "
+                          f"GiB ({r['estimate_error'] * 100:+.1f} %)  {r['seconds']:.1f} s", flush=True)
+    goal = next((r for r in rows if r["name"] == "fp8+ckpt"), None)
+    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"cpu": _cpu_name(), "cores": __import__("os").cpu_count(), "torch": torch.__version__,
+                       "python": platform.python_version()},
+           "method": "FakeTensorMode on the CPU: real shapes and dtypes, saved_tensors_hooks, distinct storages, "
+                     "parameters excluded; see bench/memory.py",
+           "arch": FLUX_DEV, "rank": args.rank, "text_tokens": args.text_len, "optimizer_bytes": OPTIMIZER_BYTES,
+           "goal": None if goal is None else {"config": "fp8+ckpt", "limit_gib": 16,
+                                              "measured_gib": goal["measured_gib"],
+                                              "meets": goal["measured_gib"] <= 16,
+                                              "over_by_gib": max(0.0, goal["measured_gib"] - 16)},
+           "configs": rows, "total_seconds": time.perf_counter() - t0}
+    Path(args.out).write_text(json.dumps(doc, indent=1, default=list))
+    print("\n" + table(rows) + f"\n\nwrote {args.out} in {doc['total_seconds']:.0f} s")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
