@@ -231,6 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--text-len", type=int, default=512, help="T5 tokens (default 512)")
     ap.add_argument("--resolutions", default="1024,512", help="comma list of square sizes in pixels")
+    ap.add_argument("--no-check", action="store_true", help="skip the real-CPU check of the fake-tensor count")
     ap.add_argument("--only", default=",".join(c[0] for c in CONFIGS), help="comma list of " +
                     ", ".join(c[0] for c in CONFIGS))
     args = ap.parse_args(argv)
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
                     r = rows[-1]
                     print(f"  {label:<18} measured {r['measured_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} "
                           f"GiB ({r['estimate_error'] * 100:+.1f} %)  {r['seconds']:.1f} s", flush=True)
+    check = None if args.no_check else real_check(FLUX_DEV, args.rank, wanted)
     goal = next((r for r in rows if r["name"] == "fp8+ckpt"), None)
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": {"cpu": _cpu_name(), "cores": __import__("os").cpu_count(), "torch": torch.__version__,
@@ -258,10 +260,27 @@ def main(argv=None) -> int:
                                               "measured_gib": goal["measured_gib"],
                                               "meets": goal["measured_gib"] <= 16,
                                               "over_by_gib": max(0.0, goal["measured_gib"] - 16)},
-           "configs": rows, "total_seconds": time.perf_counter() - t0}
+           "configs": rows, "check": check, "total_seconds": time.perf_counter() - t0}
     Path(args.out).write_text(json.dumps(doc, indent=1, default=list))
     print("\n" + table(rows) + f"\n\nwrote {args.out} in {doc['total_seconds']:.0f} s")
-    return 0
+    return 0 if check is None or check["all_equal"] else 1
+
+
+def real_check(arch: dict, rank: int, wanted: set) -> dict:
+    """FLUX.1-dev's width, heads and LoRA with 1 double + 1 single block at 64 image + 16 text tokens, run on
+    real CPU tensors and on fake ones: every byte count must be equal (else the fake figures are not trusted)."""
+    small = dict(arch, num_layers=1, num_single_layers=1)
+    out = {"arch": "FLUX.1-dev width, 1 double + 1 single block", "image_tokens": 64, "text_tokens": 16,
+           "configs": {}}
+    for name, fp8, ckpt, modulation in CONFIGS:
+        if name in wanted:
+            real = measure(small, 128, 16, fp8, ckpt, modulation, rank, fake=False)
+            fake = measure(small, 128, 16, fp8, ckpt, modulation, rank, fake=True)
+            out["configs"][name] = {"real": real, "fake": fake, "equal": real == fake}
+            print(f"  check {name:<14} real == fake: {real == fake} (saved {real['saved_bytes']} B, recompute "
+                  f"{real['recompute_bytes']} B)", flush=True)
+    out["all_equal"] = all(c["equal"] for c in out["configs"].values())
+    return out
 
 
 def _cpu_name() -> str:
