@@ -35,8 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 # (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)
-CONFIGS = (("bf16", False, False, False), ("bf16+ckpt", False, True, False), ("fp8+ckpt", True, True, False),
-           ("fp8-all+ckpt", True, True, True))
+CONFIGS = (("bf16", False, False, False), ("fp8", True, False, False), ("bf16+ckpt", False, True, False),
+           ("fp8+ckpt", True, True, False), ("fp8-all+ckpt", True, True, True))
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2}  # per LoRA parameter: two fp32 moments / two 1-byte moments
 
 

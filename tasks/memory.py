@@ -17,7 +17,7 @@ from pathlib import Path
 
 GB = 1024 ** 3
 # Saved values per token x width, measured (bench/memory.json; 1024 px / 512 px):
-ACT_FACTOR = 22.6  # per block without checkpointing: Flux's double/single mean, layers outside blocks included (22.5/22.7)
+ACT_FACTOR = 22.6  # per block, no checkpointing: Flux's double/single mean, outside layers included (22.5/22.7)
 CKPT_INPUT_FACTOR = 1.03  # per block with checkpointing: its checkpointed inputs, outside layers included (1.034/1.030)
 RECOMPUTE_FACTOR = 22.5  # one block's internals while its recompute is held in backward (22.4/22.6)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
