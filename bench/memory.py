@@ -61,10 +61,12 @@ class SavedTensors:
             self.keep.append(t)
 
     def hooks(self):
+        from torch.autograd.graph import saved_tensors_hooks
+
         def pack(t):
             self._add(t, self.saved)
-            return t
-        return __import__("torch").autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            return t  # kept as autograd would keep it: counting changes nothing
+        return saved_tensors_hooks(pack, lambda t: t)
 
     @contextlib.contextmanager
     def recompute_hooks(self):
