@@ -3,9 +3,11 @@ chosen size and batch, against the memory the device has free. Read from the den
 safetensors headers (no weights loaded). When it will not fit, the message names the settings that
 would make it fit.
 
-The activation term is a rule of thumb (per block, the saved tensors of attention + MLP are about
-ACT_FACTOR x tokens x width values; with checkpointing, only each block's input plus one block's
-internals), not a measurement: `bench/gpu.py` measures the real peak."""
+The activation term is linear in tokens x width per block, with constants measured by `python -m bench.memory`
+on FLUX.1-dev (bf16 autocast, rank 16, 1024 and 512 px + 512 text tokens; bench/memory.json): what autograd
+saves, counted from real tensor shapes. For SD3 and the UNets the same constants are a rule of thumb, not
+measured. Transient buffers, the CUDA context and fragmentation are not in it: `bench/gpu.py` measures a GPU's
+real peak."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,10 @@ import struct
 from pathlib import Path
 
 GB = 1024 ** 3
-ACT_FACTOR = 24  # q, k, v, attention output, MLP (4x) in and out, norms: saved values per token x width
+# Saved values per token x width, measured (bench/memory.json; 1024 px / 512 px):
+ACT_FACTOR = 22.6  # per block, no checkpointing: Flux's double/single mean, outside layers included (22.5/22.7)
+CKPT_INPUT_FACTOR = 1.03  # per block with checkpointing: its checkpointed inputs, outside layers included (1.034/1.030)
+RECOMPUTE_FACTOR = 22.5  # one block's internals while its recompute is held in backward (22.4/22.6)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
@@ -110,11 +115,11 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param)  # fp32 weights + grads + optimizer states
     tokens, width, blocks = activation_geometry(config, size, text_tokens)
     act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
-    per_block = ACT_FACTOR * tokens * width * act_dtype * tc["batch_size"]
+    unit = tokens * width * act_dtype * tc["batch_size"]
     if tc["gradient_checkpointing"]:
-        activations = blocks * tokens * width * act_dtype * tc["batch_size"] + per_block
+        activations = (blocks * CKPT_INPUT_FACTOR + RECOMPUTE_FACTOR) * unit
     else:
-        activations = blocks * per_block
+        activations = blocks * ACT_FACTOR * unit
     total = weight_bytes + lora_bytes + activations
     return {"params": params, "lora_params": lora, "weights_gb": weight_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
             "activations_gb": activations / GB, "total_gb": total / GB}

@@ -1,0 +1,55 @@
+"""bench.memory: its fake-tensor count of saved activations equals a real CPU run's, and the preflight estimate
+stays within 10 % of the committed measurements (bench/memory.json) for every configuration."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.gpu import FLUX_DEV, TINY
+from bench.memory import CONFIGS, measure, preflight, write_headers
+
+MEASURED = Path(__file__).resolve().parents[1] / "bench" / "memory.json"
+SMALL = dict(TINY, attention_head_dim=32, joint_attention_dim=96, axes_dims_rope=(8, 12, 12))  # reduced width
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("name,fp8,ckpt,modulation", CONFIGS)
+def test_fake_tensors_count_the_bytes_a_real_cpu_run_saves(name, fp8, ckpt, modulation):
+    """Same code path, 64 image + 16 text tokens: the meta-backed fake run and a real one save equal bytes."""
+    real = measure(SMALL, 128, 16, fp8, ckpt, modulation, rank=4, fake=False)
+    fake = measure(SMALL, 128, 16, fp8, ckpt, modulation, rank=4, fake=True)
+    assert fake == real
+    assert real["saved_bytes"] > 0 and (real["recompute_bytes"] > 0) == ckpt
+
+
+def test_checkpointing_holds_block_inputs_plus_one_recompute():
+    plain = measure(SMALL, 128, 16, False, False, False, rank=4)
+    ckpt = measure(SMALL, 128, 16, False, True, False, rank=4)
+    assert ckpt["saved_bytes"] < plain["saved_bytes"] / 2
+    assert ckpt["recompute_bytes"] < plain["saved_bytes"]
+
+
+@pytest.fixture(scope="module")
+def flux_dev(tmp_path_factory):
+    return write_headers(tmp_path_factory.mktemp("flux-dev"), FLUX_DEV)
+
+
+def test_the_committed_figures_are_what_the_code_measures():
+    """fp8+ckpt at 512 px on the full-size model (fake tensors: seconds, no memory) against bench/memory.json."""
+    row = next(r for r in json.loads(MEASURED.read_text())["configs"] if r["name"] == "fp8+ckpt@512")
+    m = measure(FLUX_DEV, 512, row["text_tokens"], True, True, False, row["rank"])
+    assert m["activation_bytes"] / GIB == pytest.approx(row["activations_gib"], rel=1e-9)
+    assert m["weights_bytes"] / GIB == pytest.approx(row["weights_gib"], rel=1e-9)
+
+
+def test_preflight_estimate_within_10_percent_of_measured(flux_dev):
+    rows = json.loads(MEASURED.read_text())["configs"]
+    assert {c[0] for c in CONFIGS} <= {r["name"] for r in rows}
+    for r in rows:
+        est = preflight(flux_dev, r["resolution"], r["text_tokens"], r["fp8"], r["checkpointing"],
+                        r["modulation_fp8"], r["rank"])
+        assert est["total_gb"] == pytest.approx(r["measured_gib"], rel=0.10), r["name"]
+        assert est["activations_gb"] == pytest.approx(r["activations_gib"], rel=0.10), r["name"]
+        assert est["weights_gb"] == pytest.approx(r["weights_gib"], rel=1e-9), r["name"]
