@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 
 from tasks.fp8_base import store_base_low
-from tasks.memory import layerwise_skip_patterns
+from tasks.memory import layerwise_skip_patterns, lora_targets
 
 
 def seed_everything(seed: int) -> None:
@@ -52,7 +52,7 @@ def prepare_denoiser(adapter, cfg: dict):
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
+                                    target_modules=lora_targets(tc, adapter)))
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()

@@ -96,8 +96,13 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_denoiser(self) -> torch.nn.Module: ...
 
+    # The family's own training version, in the LoRA's key when set: bumped where one family's LoRA bytes
+    # change, so the other families' keys stay as they were.
+    train_version: str | None = None
+
     @abstractmethod
-    def default_lora_targets(self) -> list[str]: ...
+    def default_lora_targets(self) -> list[str] | str:
+        """peft target_modules: names matched by suffix, or one regex matched against whole module paths."""
 
     @abstractmethod
     def training_loss(self, denoiser, latents: torch.Tensor, text: dict[str, torch.Tensor], train_cfg: dict,
