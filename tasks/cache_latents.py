@@ -5,10 +5,11 @@ import logging
 
 import torch
 
-from tasks.dataset import image_to_tensor, load_image
+from tasks.dataset import load_image
+from tasks.images import image_to_tensor_and_geometry
 from tasks.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
-from tasks.models import make_adapter
+from tasks.models import adapter_class, make_adapter
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -18,8 +19,10 @@ log = logging.getLogger("loraflow")
 
 def params(cfg: dict, plan: dict) -> dict:
     """Everything besides the image bytes that determines a latent."""
+    version = adapter_class(plan["family"]).latent_version  # the family's own, once set (SDXL: size ids stored)
     return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
-            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"]}
+            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"],
+            **({"family_version": version} if version else {})}
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
@@ -36,9 +39,12 @@ def inputs(cfg: dict, plan: dict) -> dict:
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
 # (CPU kernels are not batch-invariant), so a resumed or partial run yields the same bytes.
-def _pixels(batch: list[dict], size) -> torch.Tensor:
-    pixels = torch.stack([image_to_tensor(load_image(it["image"]), *it.get("size", size)) for it in batch])
-    return pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
+def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict]]:
+    """Pixels of a batch, and per item its original size and crop offsets (what the latent means)."""
+    done = [image_to_tensor_and_geometry(load_image(it["image"]), *it.get("size", size)) for it in batch]
+    pixels = torch.stack([p for p, _ in done])
+    pixels = pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
+    return pixels, [g for _, g in done]
 
 
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
@@ -55,10 +61,11 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
         loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
-            for batch, pixels in progress(zip(batches, loaded), "cache_latents", len(batches)):
+            for batch, (pixels, geometry) in progress(zip(batches, loaded), "cache_latents", len(batches)):
                 latents = adapter.encode_latents(vae, pixels)
-                for it, z in zip(batch, latents):
-                    writes.submit(store.put_tensors, KIND, keys[it["name"]], {"latents": z},
+                for it, z, geom in zip(batch, latents, geometry):
+                    extra = geom if adapter.size_conditioning else {}
+                    writes.submit(store.put_tensors, KIND, keys[it["name"]], {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
         del vae

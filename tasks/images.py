@@ -117,6 +117,13 @@ def check_image(path) -> str | None:
 
 def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
     """Cover-resize (keep aspect), centre-crop, return float32 [3,H,W] in [-1, 1]."""
+    return image_to_tensor_and_geometry(img, width, height)[0]
+
+
+def image_to_tensor_and_geometry(img: Image.Image, width: int, height: int) -> tuple[torch.Tensor, dict]:
+    """image_to_tensor, plus what SDXL's size conditioning needs: the image's size before resizing
+    (`original_size`, h, w) and the crop's offsets in the resized image (`crop_top_left`, top, left), as
+    diffusers' SDXL LoRA example and sd-scripts record them."""
     if width <= 0 or height <= 0:
         raise ValueError(f"target size must be positive, got {width}x{height}")
     if img.mode != "RGB":
@@ -128,4 +135,5 @@ def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
     left, top = (nw - width) // 2, (nh - height) // 2
     img = img.crop((left, top, left + width, top + height))
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    geometry = {"original_size": torch.tensor([h, w]), "crop_top_left": torch.tensor([top, left])}
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), geometry

@@ -129,11 +129,12 @@ class _Latents:
     def _shape(self, i: int):
         # Up to the memo's size, the latent itself is loaded (and verified) once, here; beyond it, its header.
         if len(self.memo) < self.memo.size:
-            return self[i].shape
+            return self[i]["latents"].shape
         return self.store.tensor_shapes(cache_latents.KIND, self.keys[i])["latents"]
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i])["latents"])
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        """"latents", and for SDXL the image's "original_size" and "crop_top_left" (its size conditioning)."""
+        return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i]))
 
 
 def key_int(*parts) -> int:
@@ -231,7 +232,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         gens = item_generators(seed, step, len(idx))
         gens = [gens[j] for j in mine]
         text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
-        return _Batch(weight, gens, _pinned(torch.stack([latents[idx[j]] for j in mine])),
+        stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
+        text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
+        return _Batch(weight, gens, _pinned(torch.stack([d["latents"] for d in stored])),
                       {k: _pinned(v) for k, v in text.items()})
 
     progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)

@@ -99,6 +99,10 @@ class FamilyAdapter(ABC):
     # The family's own training version, in the LoRA's key when set: bumped where one family's LoRA bytes
     # change, so the other families' keys stay as they were.
     train_version: str | None = None
+    latent_version: str | None = None  # the same for the latent's key
+    # Whether a latent is stored with its image's original size and crop offsets (SDXL's size conditioning);
+    # training passes them to the loss beside the text tensors.
+    size_conditioning = False
 
     @abstractmethod
     def default_lora_targets(self) -> list[str] | str:
