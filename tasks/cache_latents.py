@@ -10,6 +10,7 @@ from tasks.images import image_to_tensor_and_geometry
 from tasks.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
 from tasks.models import adapter_class, make_adapter
+from tasks.config import ConfigError
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -20,9 +21,10 @@ log = logging.getLogger("loraflow")
 def params(cfg: dict, plan: dict) -> dict:
     """Everything besides the image bytes that determines a latent."""
     version = adapter_class(plan["family"]).latent_version  # the family's own, once set (SDXL: size ids stored)
+    settings = make_adapter(cfg["model"], plan["model_dir"]).latent_settings()  # e.g. the VAE's compute dtype
     return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
             "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"],
-            **({"family_version": version} if version else {})}
+            **({"family_version": version} if version else {}), **settings}
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
@@ -60,15 +62,23 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
         loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
+        not_finite = []
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch, (pixels, geometry) in progress(zip(batches, loaded), "cache_latents", len(batches)):
                 latents = adapter.encode_latents(vae, pixels)
                 for it, z, geom in zip(batch, latents, geometry):
+                    if not torch.isfinite(z).all():  # never cached: training on it would give NaN losses
+                        not_finite.append(it["name"])
+                        continue
                     extra = geom if adapter.size_conditioning else {}
                     writes.submit(store.put_tensors, KIND, keys[it["name"]], {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
         del vae
+        if not_finite:
+            raise ConfigError(f"cache_latents: the VAE gave non-finite latents (NaN/inf) for {len(not_finite)} "
+                              f"image(s), not stored: {', '.join(sorted(not_finite))}. Encode in float32: "
+                              "model.dtype=float32, or a VAE whose config has force_upcast=true")
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
 
 

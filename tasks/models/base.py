@@ -82,6 +82,11 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_vae(self) -> torch.nn.Module: ...
 
+    def latent_settings(self) -> dict:
+        """What besides model.dtype changes the latent's bytes (e.g. an upcast VAE), for the latent's key;
+        empty where nothing does, so existing keys stay as they were."""
+        return {}
+
     @abstractmethod
     def encode_latents(self, vae, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [B,3,H,W] in [-1,1] -> latents [B,C,h,w] ready for the denoiser (scaled/shifted)."""
