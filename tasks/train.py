@@ -25,7 +25,7 @@ from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 from tasks.train_key import CODE_VERSION, inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
-from tasks.train_setup import make_accelerator, make_optimizer, prepare_denoiser, seed_everything
+from tasks.train_setup import make_accelerator, make_optimizer, precision, prepare_denoiser, seed_everything
 
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
@@ -190,7 +190,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     seed = int(tc["seed"])
     seed_everything(seed)
-    accelerator = make_accelerator(tc["mixed_precision"], log_dir if tc["log_with"] == "tensorboard" else None)
+    accelerator = make_accelerator(precision(cfg), log_dir if tc["log_with"] == "tensorboard" else None)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     denoiser, named = prepare_denoiser(adapter, cfg)
     params = list(named.values())

@@ -28,7 +28,7 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
             "denoiser": plan["ids"]["denoiser"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
-            "text.cache": cfg["text"]["cache"],
+            "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}
 
 
@@ -36,6 +36,11 @@ def _family_version(plan: dict) -> dict:
     # The family's own training version (FamilyAdapter.train_version), in the key only once it is set.
     version = adapter_class(plan["family"]).train_version
     return {"family_version": version} if version else {}
+
+
+def _loss_scaling(cfg: dict) -> dict:
+    # fp16 weights train with accelerate's fp16 loss scaling whatever train.mixed_precision says (since issue 18)
+    return {"loss_scaling": "fp16"} if cfg["model"]["dtype"] == "float16" else {}
 
 
 def _modulation(cfg: dict) -> dict:

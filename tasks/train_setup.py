@@ -20,6 +20,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def precision(cfg: dict) -> str:
+    """accelerate's mixed_precision: fp16 (autocast + GradScaler) whenever the weights are fp16, so the backward
+    pass never runs in fp16 without loss scaling (the LoRA weights are fp32); else train.mixed_precision."""
+    return "fp16" if cfg["model"]["dtype"] == "float16" else cfg["train"]["mixed_precision"]
+
+
 def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
     """accelerate's Accelerator for this run's precision, device and processes (under `accelerate launch`
     it joins the process group: gloo on the CPU, nccl on GPUs). Its state is process-wide and refuses a

@@ -113,6 +113,13 @@ def _check_device(cfg: dict) -> list[str]:
     errors, cuda = [], torch.cuda.is_available()
     if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
         errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
+    mp = cfg["train"]["mixed_precision"]
+    if cfg["model"]["dtype"] == "float16" and (mp == "bf16" or not cuda):
+        # fp16 weights train under accelerate's fp16 autocast with its loss scaler (LoRA weights fp32), as
+        # the references: CUDA only, and no bf16 autocast over fp16 weights.
+        why = "train.mixed_precision=bf16 contradicts it" if mp == "bf16" else "that needs a CUDA GPU"
+        errors.append(f"model.dtype=float16 trains with fp16 loss scaling and {why}; use model.dtype=bfloat16 "
+                      "or float32" + (" (or train.mixed_precision=fp16 / no)" if cuda else ""))
     if cfg["train"]["optimizer"] == "adamw8bit":
         try:
             import bitsandbytes  # noqa: F401
