@@ -24,9 +24,10 @@ from tasks.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
-from tasks.train_key import CODE_VERSION, inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
+from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
 from tasks.train_setup import make_accelerator, make_optimizer, precision, prepare_denoiser, seed_everything
 
+CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
 log = logging.getLogger("loraflow")

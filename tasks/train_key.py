@@ -8,7 +8,6 @@ from tasks.hashing import key_of
 from tasks.models import adapter_class
 
 FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
-CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 
 # Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
 # max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
@@ -23,10 +22,12 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
 
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
+    from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
+
     pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
              for it in plan["items"]}
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
-            "denoiser": plan["ids"]["denoiser"],
+            "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}

@@ -211,7 +211,8 @@ def run(cfg: dict, store: Store) -> dict:
     model_dir = resolve_model(cfg["model"], store)
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
-        ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components))}
+        ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components),
+        ("scheduler", ("scheduler",)))}  # the training noise schedule the loop loads (shift, prediction_type)
     adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
     estimate = memory.preflight(cfg, adapter, size)
     log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"], estimate["budget_gb"],

@@ -140,3 +140,18 @@ def test_other_model_weights_recompute_everything(workspace):
     r = workspace.run("model.seed=1")
     assert counts(r) == (N_IMAGES, distinct_texts(workspace), "ran", N_PROMPTS)
     assert "vae" in r["nodes"]["cache_latents"]["changed"] and "encoders" in r["nodes"]["cache_text"]["changed"]
+
+
+def test_training_scheduler_config_edited(workspace):
+    # The train loop loads the model's scheduler/ (shift, prediction_type): an edit there retrains (and
+    # resumes no checkpoint of the old trajectory); latents and text are reused.
+    import json
+
+    model = workspace.root / "model"
+    shutil.copytree(next((workspace.store / "models").rglob("model_index.json")).parent, model)
+    assert counts(workspace.run(f"model.path={model}")) == (0, 0, "cached", 0)  # identities, not paths
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "shift": 2.0}))
+    r = workspace.run(f"model.path={model}")
+    assert counts(r) == (0, 0, "ran", N_PROMPTS)
+    assert "continued_from_step" not in r["nodes"]["train"]
