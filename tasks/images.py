@@ -6,6 +6,7 @@ the conversion notes) and cache_latents (which wants the pixels) go through, so 
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 
@@ -62,16 +63,17 @@ def _depth_notes(im: Image.Image) -> list[Note]:
     return []
 
 
-def decode_image(path) -> tuple[Image.Image, list[Note]]:
-    """Decode fully into an RGB image with EXIF orientation applied; notes say what was converted."""
+def decode_image(path, data: bytes | None = None) -> tuple[Image.Image, list[Note]]:
+    """Decode fully into an RGB image with EXIF orientation applied; notes say what was converted. With
+    `data`, those bytes (already read from `path`) are decoded, not the file."""
     path = Path(path)
     try:
-        if path.stat().st_size == 0:
+        if (len(data) if data is not None else path.stat().st_size) == 0:
             raise ImageLoadError(path, "file is empty (0 bytes)")
         # Turn Pillow's bomb *warning* into an error too: a huge image would stall training.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            with Image.open(path if data is None else io.BytesIO(data)) as im:
                 notes = _depth_notes(im)
                 im.load()
                 orientation = im.getexif().get(0x0112, 1)
@@ -99,6 +101,15 @@ def decode_image(path) -> tuple[Image.Image, list[Note]]:
 def load_image(path) -> Image.Image:
     """Decode fully into an RGB image with EXIF orientation applied."""
     return decode_image(path)[0]
+
+
+def read_image(path) -> tuple[Image.Image, str]:
+    """The image and the sha256 of the very bytes decoded (the file is read once): what is encoded is
+    what the digest names, even if the file changes meanwhile."""
+    from tasks.hashing import digest_bytes
+
+    data = Path(path).read_bytes()
+    return decode_image(path, data)[0], digest_bytes(data)
 
 
 def inspect_image(path) -> tuple[str | None, tuple[int, int] | None, list[Note]]:
