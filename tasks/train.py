@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,11 +228,16 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
                  ", ".join(f"{latents.shapes[g[0]][-2:]}: {len(g)}" for g in groups))
-    def load_step(step: int) -> _Batch:  # with CUDA: one step ahead, in a thread (prefetch)
-        idx = batch_at(step, groups, batch_size, seed)
+    accum = tc["gradient_accumulation_steps"]
+
+    def load_step(micro: int) -> _Batch:  # with CUDA: one micro-batch ahead, in a thread (prefetch)
+        # Micro-batch m of optimizer step s is number (s-1)*accum + m: batches and draws are those of a run
+        # without accumulation at that number, captions follow the optimizer step (token warm-up).
+        idx = batch_at(micro, groups, batch_size, seed)
         mine, weight = my_share(len(idx), rank, world)
-        gens = item_generators(seed, step, len(idx))
+        gens = item_generators(seed, micro, len(idx))
         gens = [gens[j] for j in mine]
+        step = (micro - 1) // accum + 1
         text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
         stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
         text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
@@ -243,17 +249,21 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     t0 = time.perf_counter()
     # With CUDA the next step's batch is read and pinned while the GPU trains on this one. On the CPU a
     # loader thread only contends with the step's own threads (measured: 1.5x the step time on 2 cores).
-    batches = prefetch(load_step, steps) if overlap_loading() else map(load_step, steps)
-    for step, batch in zip(steps, batches):
-        weight, gens = batch.weight, batch.generators
-        batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
-        text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
-        with accelerator.autocast():
-            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
-        accelerator.backward(loss * weight)
+    micro = [(s - 1) * accum + m for s in steps for m in range(1, accum + 1)]
+    batches = iter(prefetch(load_step, micro) if overlap_loading() else map(load_step, micro))
+    for step in steps:
+        loss = 0.0  # the step's loss: the mean over its micro-batches (and processes)
+        for batch in islice(batches, accum):  # gradients add up; checkpoints fall between optimizer steps
+            weight, gens = batch.weight / accum, batch.generators
+            batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
+            text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
+            with accelerator.autocast():
+                part = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
+            accelerator.backward(part * weight)
+            part = part.detach() * weight
+            loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)
         if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
             _sum_gradients(accelerator, params)
-            loss = accelerator.reduce(loss.detach() * weight, reduction="sum")
         if tc["max_grad_norm"] > 0:
             accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()

@@ -30,7 +30,15 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg),
-            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}
+            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in _unused(cfg["train"])},
+            **_augmentation(cfg), **_sampling(cfg), **pairs}
+
+
+def _unused(tc: dict) -> set[str]:
+    """Settings added since keys were first stored, left out of the key while they have no effect (at their
+    default), so every earlier LoRA keeps its key."""
+    out = {k for k, default in (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma")) if tc.get(k) == default}
+    return out | ({"discrete_flow_shift"} if tc.get("timestep_sampling") != "shift" else set())
 
 
 def _family_version(plan: dict) -> dict:

@@ -25,9 +25,11 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
-            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none")}
+            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
+            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
-             ("train", "log_every"), ("train", "num_processes"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
+             ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
+             ("train", "discrete_flow_shift"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
 
 def check_config(cfg: dict) -> list[str]:
@@ -169,6 +171,9 @@ def config_errors(cfg: dict) -> list[str]:
     except ConfigError as e:
         return errors + [str(e)]
     errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
+    if cfg["train"]["timestep_sampling"] != "sigma" and not adapter_cls.flow_matching:
+        errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
+                      f"(Flux, SD3); {cfg['model']['family']} samples DDPM timesteps: use train.timestep_sampling=sigma")
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
         why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"

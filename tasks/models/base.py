@@ -108,6 +108,7 @@ class FamilyAdapter(ABC):
     # Whether a latent is stored with its image's original size and crop offsets (SDXL's size conditioning);
     # training passes them to the loss beside the text tensors.
     size_conditioning = False
+    flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/flow_matching.py)
 
     @abstractmethod
     def default_lora_targets(self) -> list[str] | str:

@@ -29,6 +29,7 @@ class FluxAdapter(FamilyAdapter):
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16
+    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
