@@ -218,6 +218,9 @@ def run(cfg: dict, store: Store) -> dict:
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
         ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components),
         ("scheduler", ("scheduler",)))}  # the training noise schedule the loop loads (shift, prediction_type)
+    options = pipeline_options(model_dir)
+    if options:  # e.g. SDXL's force_zeros_for_empty_prompt: sampling reads them; no key changes without them
+        ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
     adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
     estimate = memory.preflight(cfg, adapter, size)
     log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"], estimate["budget_gb"],
@@ -238,6 +241,15 @@ def run(cfg: dict, store: Store) -> dict:
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
             "dataset": dataset}
+
+
+def pipeline_options(model_dir) -> dict:
+    """model_index.json's pipeline options (not components, not _class_name/_diffusers_version)."""
+    import json
+    from pathlib import Path
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    return {k: v for k, v in index.items() if not k.startswith("_") and not (isinstance(v, list) and len(v) == 2)}
 
 
 def _dataset_warnings(dataset: list[dict]) -> list[str]:

@@ -155,3 +155,18 @@ def test_training_scheduler_config_edited(workspace):
     r = workspace.run(f"model.path={model}")
     assert counts(r) == (0, 0, "ran", N_PROMPTS)
     assert "continued_from_step" not in r["nodes"]["train"]
+
+
+def test_pipeline_option_in_model_index_edited(workspace, tmp_path):
+    # model_index.json options change sampling (SDXL's force_zeros_for_empty_prompt: the CFG negative):
+    # an edit re-renders every sample, and nothing else.
+    import json
+
+    from tasks.models.tiny_families import build_tiny_sdxl
+
+    model = build_tiny_sdxl(tmp_path / "sdxl")
+    workspace.run("model=tiny_sdxl", f"model.path={model}")
+    index = model / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "force_zeros_for_empty_prompt": False}))
+    r = workspace.run("model=tiny_sdxl", f"model.path={model}")
+    assert counts(r) == (0, 0, "cached", N_PROMPTS)
