@@ -10,6 +10,7 @@ from tasks.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
 from tasks.models import adapter_class, make_adapter
 from tasks.config import ConfigError
+from tasks.runtime import runtime
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -23,7 +24,7 @@ def params(cfg: dict, plan: dict) -> dict:
     settings = make_adapter(cfg["model"], plan["model_dir"]).latent_settings()  # e.g. the VAE's compute dtype
     return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
             "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"],
-            **({"family_version": version} if version else {}), **settings}
+            **({"family_version": version} if version else {}), **settings, **runtime()}
 
 
 def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:

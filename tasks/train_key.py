@@ -6,6 +6,7 @@ from dataclasses import asdict
 from tasks import augment, cache_text
 from tasks.hashing import key_of
 from tasks.models import adapter_class
+from tasks.runtime import runtime
 
 FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
 
@@ -29,7 +30,7 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
             "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
-            "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg),
+            "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in _unused(cfg["train"])},
             **_augmentation(cfg), **_sampling(cfg), **pairs}
 
