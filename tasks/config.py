@@ -142,6 +142,8 @@ class StoreConfig:
     root: str = ".loraflow/store"
     # With a URL root: the local working copy (None: ~/.cache/loraflow/stores/<hash of the URL>).
     cache_dir: Optional[str] = None
+    # true: digest every big model file again (its path/size/mtime/inode memo is not trusted this run)
+    rehash: bool = False
 
 
 @dataclass
