@@ -7,8 +7,8 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
