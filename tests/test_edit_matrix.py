@@ -170,3 +170,28 @@ def test_pipeline_option_in_model_index_edited(workspace, tmp_path):
     index.write_text(json.dumps({**json.loads(index.read_text()), "force_zeros_for_empty_prompt": False}))
     r = workspace.run("model=tiny_sdxl", f"model.path={model}")
     assert counts(r) == (0, 0, "cached", N_PROMPTS)
+
+
+def test_image_edited_between_validate_and_cache_latents(workspace, monkeypatch):
+    # A new image (its caption the same text as img_00's) is edited after validate digested it: that run
+    # fails naming it, nothing stored under the old bytes' key; the next run reuses the new bytes' latent.
+    from tasks import cache_latents
+
+    path, real = workspace.data / "img_new.png", cache_latents.read_image
+    img = Image.open(workspace.data / "img_00.png").convert("RGB")
+    img.putpixel((0, 0), (1, 2, 3))
+    img.save(path)
+    shutil.copyfile(workspace.data / "img_00.txt", workspace.data / "img_new.txt")
+
+    def edit_then_read(p):
+        if str(p) == str(path) and not getattr(edit_then_read, "done", False):
+            edit_then_read.done = True
+            img.putpixel((0, 0), (4, 5, 6))
+            img.save(path)
+        return real(p)
+
+    monkeypatch.setattr(cache_latents, "read_image", edit_then_read)
+    with pytest.raises(Exception, match="changed on disk after validate: img_new.png"):
+        workspace.run()
+    monkeypatch.undo()
+    assert counts(workspace.run()) == (0, 0, "ran", N_PROMPTS)
