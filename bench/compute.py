@@ -173,11 +173,12 @@ def bench_train(cfg: dict, plan: dict, store, latent_keys: dict, text_keys: dict
 
     from tasks import cache_latents, cache_text, train
     from tasks.models import make_adapter
+    from tasks.memory import lora_targets
 
     tc = cfg["train"]
     steps, bs, rank = tc["max_steps"], tc["batch_size"], tc["rank"]
     assert tc["log_every"] == 1 and steps > warm_steps + 1
-    targets = list(tc["target_modules"] or make_adapter(cfg["model"], plan["model_dir"]).default_lora_targets())
+    targets = lora_targets(tc, make_adapter(cfg["model"], plan["model_dir"]))
     names = [it["name"] for it in plan["items"]]
 
     handler = _StepTimes()

@@ -5,10 +5,12 @@ import logging
 
 import torch
 
-from tasks.dataset import image_to_tensor, load_image
+from tasks.images import image_to_tensor_and_geometry, read_image
 from tasks.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
-from tasks.models import make_adapter
+from tasks.models import adapter_class, make_adapter
+from tasks.config import ConfigError
+from tasks.runtime import runtime
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -18,15 +20,21 @@ log = logging.getLogger("loraflow")
 
 def params(cfg: dict, plan: dict) -> dict:
     """Everything besides the image bytes that determines a latent."""
+    version = adapter_class(plan["family"]).latent_version  # the family's own, once set (SDXL: size ids stored)
+    settings = make_adapter(cfg["model"], plan["model_dir"]).latent_settings()  # e.g. the VAE's compute dtype
     return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
-            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"]}
+            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"],
+            **({"family_version": version} if version else {}), **settings, **runtime()}
+
+
+def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
+    # A bucketed item carries its own size; the key has the size it is encoded at either way.
+    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest})
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
     p = params(cfg, plan)
-    # A bucketed item carries its own size; the key has the size it is encoded at either way.
-    return {it["name"]: key_of({**p, "size": it.get("size", plan["size"]), "image": it["image_digest"]})
-            for it in plan["items"]}
+    return {it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in plan["items"]}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
@@ -36,9 +44,14 @@ def inputs(cfg: dict, plan: dict) -> dict:
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
 # (CPU kernels are not batch-invariant), so a resumed or partial run yields the same bytes.
-def _pixels(batch: list[dict], size) -> torch.Tensor:
-    pixels = torch.stack([image_to_tensor(load_image(it["image"]), *it.get("size", size)) for it in batch])
-    return pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
+def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str]]:
+    """Pixels of a batch; per item its original size and crop offsets (what the latent means) and the
+    digest of the bytes decoded."""
+    read = [read_image(it["image"]) for it in batch]
+    done = [image_to_tensor_and_geometry(img, *it.get("size", size)) for (img, _), it in zip(read, batch)]
+    pixels = torch.stack([p for p, _ in done])
+    pixels = pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
+    return pixels, [g for _, g in done], [d for _, d in read]
 
 
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
@@ -54,14 +67,31 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
         loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
+        not_finite, edited, p = [], [], params(cfg, plan)
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
-            for batch, pixels in progress(zip(batches, loaded), "cache_latents", len(batches)):
+            for batch, (pixels, geometry, digests) in progress(zip(batches, loaded), "cache_latents", len(batches)):
                 latents = adapter.encode_latents(vae, pixels)
-                for it, z in zip(batch, latents):
-                    writes.submit(store.put_tensors, KIND, keys[it["name"]], {"latents": z},
+                for it, z, geom, digest in zip(batch, latents, geometry, digests):
+                    if not torch.isfinite(z).all():  # never cached: training on it would give NaN losses
+                        not_finite.append(it["name"])
+                        continue
+                    key = keys[it["name"]]
+                    if digest != it["image_digest"]:  # edited since validate: stored under its new bytes' key
+                        edited.append(it["name"])
+                        key = _item_key(p, plan, it, digest)
+                    extra = geom if adapter.size_conditioning else {}
+                    writes.submit(store.put_tensors, KIND, key, {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
         del vae
+        if edited:
+            raise ConfigError(f"cache_latents: {len(edited)} image(s) changed on disk after validate: "
+                              f"{', '.join(sorted(edited))}. Their new pixels are cached under their new bytes; "
+                              "run again to train on them (and leave data.dir alone while a run reads it)")
+        if not_finite:
+            raise ConfigError(f"cache_latents: the VAE gave non-finite latents (NaN/inf) for {len(not_finite)} "
+                              f"image(s), not stored: {', '.join(sorted(not_finite))}. Encode in float32: "
+                              "model.dtype=float32, or a VAE whose config has force_upcast=true")
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
 
 

@@ -7,6 +7,7 @@ from tasks import augment
 from tasks.hashing import digest_text, key_of
 from tasks.items import BackgroundWrites, check_items, chunks, node_result, progress
 from tasks.models import make_adapter
+from tasks.runtime import runtime
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -17,7 +18,7 @@ log = logging.getLogger("loraflow")
 def params(cfg: dict, plan: dict) -> dict:
     return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan["ids"]["text"],
             "max_sequence_length": cfg["model"]["max_sequence_length"], "dtype": cfg["model"]["dtype"],
-            "family": plan["family"]}
+            "family": plan["family"], **runtime()}
 
 
 def caption_aug(cfg: dict) -> augment.CaptionAug:

@@ -77,6 +77,12 @@ class TrainConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     weighting_scheme: str = "none"  # none | logit_normal | mode | sigma_sqrt | cosmap
+    # Flow matching (Flux, SD3): sigma draws from the scheduler's sigma table (the diffusers examples);
+    # uniform / shift / flux_shift draw a continuous sigma, shifted by discrete_flow_shift or the
+    # resolution-dependent Flux mu (sd-scripts' --timestep_sampling)
+    timestep_sampling: str = "sigma"
+    discrete_flow_shift: float = 3.0  # used by timestep_sampling=shift
+    gradient_accumulation_steps: int = 1  # micro-batches of train.batch_size per optimizer step
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
@@ -136,6 +142,8 @@ class StoreConfig:
     root: str = ".loraflow/store"
     # With a URL root: the local working copy (None: ~/.cache/loraflow/stores/<hash of the URL>).
     cache_dir: Optional[str] = None
+    # true: digest every big model file again (its path/size/mtime/inode memo is not trusted this run)
+    rehash: bool = False
 
 
 @dataclass

@@ -47,7 +47,9 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
            "trajectory": trajectory, "log_dir": str(log_dir) if log_dir else None}
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
-    cmd = launch_command(job_file, n, cfg["train"]["mixed_precision"])
+    from tasks.train_setup import precision
+
+    cmd = launch_command(job_file, n, precision(cfg))
     log.info("train: %d processes under accelerate launch", n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     tail: deque[str] = deque(maxlen=40)

@@ -6,6 +6,7 @@ the conversion notes) and cache_latents (which wants the pixels) go through, so 
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 
@@ -62,16 +63,17 @@ def _depth_notes(im: Image.Image) -> list[Note]:
     return []
 
 
-def decode_image(path) -> tuple[Image.Image, list[Note]]:
-    """Decode fully into an RGB image with EXIF orientation applied; notes say what was converted."""
+def decode_image(path, data: bytes | None = None) -> tuple[Image.Image, list[Note]]:
+    """Decode fully into an RGB image with EXIF orientation applied; notes say what was converted. With
+    `data`, those bytes (already read from `path`) are decoded, not the file."""
     path = Path(path)
     try:
-        if path.stat().st_size == 0:
+        if (len(data) if data is not None else path.stat().st_size) == 0:
             raise ImageLoadError(path, "file is empty (0 bytes)")
         # Turn Pillow's bomb *warning* into an error too: a huge image would stall training.
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            with Image.open(path if data is None else io.BytesIO(data)) as im:
                 notes = _depth_notes(im)
                 im.load()
                 orientation = im.getexif().get(0x0112, 1)
@@ -101,6 +103,15 @@ def load_image(path) -> Image.Image:
     return decode_image(path)[0]
 
 
+def read_image(path) -> tuple[Image.Image, str]:
+    """The image and the sha256 of the very bytes decoded (the file is read once): what is encoded is
+    what the digest names, even if the file changes meanwhile."""
+    from tasks.hashing import digest_bytes
+
+    data = Path(path).read_bytes()
+    return decode_image(path, data)[0], digest_bytes(data)
+
+
 def inspect_image(path) -> tuple[str | None, tuple[int, int] | None, list[Note]]:
     """(reason it cannot be used or None, size, conversion notes) from one decode."""
     try:
@@ -117,6 +128,13 @@ def check_image(path) -> str | None:
 
 def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
     """Cover-resize (keep aspect), centre-crop, return float32 [3,H,W] in [-1, 1]."""
+    return image_to_tensor_and_geometry(img, width, height)[0]
+
+
+def image_to_tensor_and_geometry(img: Image.Image, width: int, height: int) -> tuple[torch.Tensor, dict]:
+    """image_to_tensor, plus what SDXL's size conditioning needs: the image's size before resizing
+    (`original_size`, h, w) and the crop's offsets in the resized image (`crop_top_left`, top, left), as
+    diffusers' SDXL LoRA example and sd-scripts record them."""
     if width <= 0 or height <= 0:
         raise ValueError(f"target size must be positive, got {width}x{height}")
     if img.mode != "RGB":
@@ -128,4 +146,5 @@ def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
     left, top = (nw - width) // 2, (nh - height) // 2
     img = img.crop((left, top, left + width, top + height))
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+    geometry = {"original_size": torch.tensor([h, w]), "crop_top_left": torch.tensor([top, left])}
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), geometry

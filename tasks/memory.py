@@ -41,14 +41,21 @@ def _numel(shape) -> int:
     return out
 
 
-def _lora_params(shapes: dict[str, list[int]], targets: list[str], rank: int) -> int:
-    """peft's matching: a module whose name is a target or ends with '.<target>'."""
+def lora_targets(tc: dict, adapter) -> list[str] | str:
+    """train.target_modules (suffixes) or the family's default (suffixes or one full-path regex)."""
+    return list(tc["target_modules"]) if tc["target_modules"] else adapter.default_lora_targets()
+
+
+def _lora_params(shapes: dict[str, list[int]], targets: list[str] | str, rank: int) -> int:
+    """peft's matching: a module whose name is a target or ends with '.<target>', or, for one string, a
+    module whose whole name matches it as a regex."""
     total = 0
     for name, shape in shapes.items():
         if not name.endswith(".weight") or len(shape) != 2:
             continue
         module = name[: -len(".weight")]
-        if any(module == t or module.endswith("." + t) for t in targets):
+        if (re.fullmatch(targets, module) if isinstance(targets, str)
+                else any(module == t or module.endswith("." + t) for t in targets)):
             total += rank * (shape[0] + shape[1])
     return total
 
@@ -173,7 +180,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
     """The estimate for this run; raises ConfigError when it exceeds the budget, naming what would fit."""
     from tasks.config import ConfigError
 
-    targets = list(cfg["train"]["target_modules"] or adapter.default_lora_targets())
+    targets = lora_targets(cfg["train"], adapter)
 
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,

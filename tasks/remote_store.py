@@ -28,13 +28,16 @@ def default_cache_dir(url: str) -> Path:
 
 
 def open_store(store_cfg: dict) -> Store:
-    """The store a config names: ``{"root": path or URL, "cache_dir": local working copy or None}``."""
+    """The store a config names: ``{"root": path or URL, "cache_dir": local working copy or None, "rehash"}``."""
     root = str(store_cfg["root"])
     if root.startswith("file://"):
-        return Store(root[len("file://"):])
-    if not is_url(root):
-        return Store(root)
-    return RemoteStore(root, store_cfg.get("cache_dir") or default_cache_dir(root))
+        store = Store(root[len("file://"):])
+    elif not is_url(root):
+        store = Store(root)
+    else:
+        store = RemoteStore(root, store_cfg.get("cache_dir") or default_cache_dir(root))
+    store.rehash = bool(store_cfg.get("rehash", False))
+    return store
 
 
 class RemoteStore(Store):

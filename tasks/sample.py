@@ -11,6 +11,7 @@ from tasks import cache_text
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
+from tasks.runtime import runtime
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -32,7 +33,7 @@ def settings(cfg: dict, plan: dict, prompt: dict) -> dict:
 
 def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
     base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"], "lora": lora_key,
-            "dtype": cfg["model"]["dtype"], "family": plan["family"]}
+            "dtype": cfg["model"]["dtype"], "family": plan["family"], **runtime()}
     return {f"prompt:{p['line']}": key_of({**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
                                            "negative": text_keys.get(f"negative:{p['line']}"),
                                            "empty": text_keys["empty"]})

@@ -350,28 +350,13 @@ class Store:
             _note_repair(f"runs/{name}")
             return None
 
-    # -- digests of big files (model weights), remembered by path, size and mtime like DVC does ---
+    # -- digests of big files (model weights), remembered by path, size, mtime and inode like DVC does ---
+    rehash = False  # store.rehash=true: each big file digested again (once per process), its memo rewritten
+
     def file_digest(self, path: str | os.PathLike, min_size: int = 16 << 20) -> str:
-        path = Path(path).resolve()
-        st = path.stat()
-        if st.st_size < min_size:
-            return digest_file(path)
-        memo = self.root / "filedigests" / (key_of({"path": str(path), "size": st.st_size,
-                                                    "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}) + ".txt")
-        try:  # "<digest> <check>": a torn or flipped memo is recomputed, never used
-            parts = memo.read_text().split()
-            if len(parts) == 2 and len(parts[0]) == 64 and parts[1] == digest_text(parts[0])[:16]:
-                return parts[0]
-            if not (len(parts) == 1 and len(parts[0]) == 64):  # a memo from before the check: just redone
-                raise ValueError("check mismatch")
-        except FileNotFoundError:
-            pass
-        except (ValueError, UnicodeDecodeError):
-            log.warning("file digest memo %s is corrupt: digesting %s again", memo, path)
-            _note_repair(f"filedigests/{memo.stem}")
-        digest = digest_file(path)
-        self._write_small(memo, f"{digest} {digest_text(digest)[:16]}\n".encode(), f"a digest memo for {path}")
-        return digest
+        from tasks.filedigests import memo_digest
+
+        return memo_digest(self, Path(path).resolve(), min_size)
 
 
 def canonicalize_safetensors(path: str | os.PathLike) -> None:

@@ -7,7 +7,8 @@ import logging
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -24,73 +25,13 @@ from tasks.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
-from tasks.train_setup import make_accelerator, make_optimizer, prepare_denoiser, seed_everything
+from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
+from tasks.train_setup import make_accelerator, make_optimizer, precision, prepare_denoiser, seed_everything
 
-FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
 log = logging.getLogger("loraflow")
-
-# Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
-# max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
-# (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
-_NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
-# Settings that change nothing the node stores (where the loss curve is logged).
-_NOT_KEY = ("log_with",)
-SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
-
-
-def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
-    """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
-
-    A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
-    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
-             for it in plan["items"]}
-    return {"node": "train", "code": CODE_VERSION, "family": plan["family"], "denoiser": plan["ids"]["denoiser"],
-            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
-            "text.cache": cfg["text"]["cache"],
-            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY}, **_augmentation(cfg), **_sampling(cfg), **pairs}
-
-
-def _modulation(cfg: dict) -> dict:
-    # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
-    # LoRA bytes changed with tasks/fp8_base.py (the autograd-safe cast replaced layerwise casting).
-    if not cfg["model"]["storage_dtype"]:
-        return {}
-    return {"fp8_base": FP8_BASE_VERSION, **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
-
-
-def _sampling(cfg: dict) -> dict:
-    # Samples during training are outputs of this node (the prompts file's content is not: it is re-read
-    # at each sample point, and editing it must not retrain).
-    every = cfg["sample"]["every_n_steps"]
-    return {"sample.every_n_steps": every} if every else {}
-
-
-def _augmentation(cfg: dict) -> dict:
-    aug = cache_text.caption_aug(cfg)
-    if not augment.active(aug):
-        return {}
-    return {"augment": {**asdict(aug), "mode": augment.text_mode(cfg["text"], aug),
-                        "variants_seed": cfg["text"]["variants_seed"]}}
-
-
-def trajectory_key(node_inputs: dict, tc: dict) -> str:
-    keep = {k: v for k, v in node_inputs.items() if k not in _NOT_TRAJECTORY}
-    if tc["lr_scheduler"] not in SCHEDULES_WITHOUT_MAX_STEPS:
-        keep["train.max_steps"] = tc["max_steps"]
-    return key_of(keep)
-
-
-def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
-    """The caption's identity for the training key: its cached texts' keys (all variants), or, when
-    training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
-    labels = cache_text.caption_texts(cfg, plan, item)
-    if labels:
-        return key_of(sorted(text_keys[cache_text.caption_name(item["name"], label)] for label in labels))
-    return cache_text.text_key(cfg, plan, item["caption"])
-
 
 class _Captions:
     """Caption tensors per item and step.
@@ -190,11 +131,12 @@ class _Latents:
     def _shape(self, i: int):
         # Up to the memo's size, the latent itself is loaded (and verified) once, here; beyond it, its header.
         if len(self.memo) < self.memo.size:
-            return self[i].shape
+            return self[i]["latents"].shape
         return self.store.tensor_shapes(cache_latents.KIND, self.keys[i])["latents"]
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i])["latents"])
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        """"latents", and for SDXL the image's "original_size" and "crop_top_left" (its size conditioning)."""
+        return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i]))
 
 
 def key_int(*parts) -> int:
@@ -250,7 +192,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     seed = int(tc["seed"])
     seed_everything(seed)
-    accelerator = make_accelerator(tc["mixed_precision"], log_dir if tc["log_with"] == "tensorboard" else None)
+    accelerator = make_accelerator(precision(cfg), log_dir if tc["log_with"] == "tensorboard" else None)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     denoiser, named = prepare_denoiser(adapter, cfg)
     params = list(named.values())
@@ -286,13 +228,20 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
                  ", ".join(f"{latents.shapes[g[0]][-2:]}: {len(g)}" for g in groups))
-    def load_step(step: int) -> _Batch:  # with CUDA: one step ahead, in a thread (prefetch)
-        idx = batch_at(step, groups, batch_size, seed)
+    accum = tc["gradient_accumulation_steps"]
+
+    def load_step(micro: int) -> _Batch:  # with CUDA: one micro-batch ahead, in a thread (prefetch)
+        # Micro-batch m of optimizer step s is number (s-1)*accum + m: batches and draws are those of a run
+        # without accumulation at that number, captions follow the optimizer step (token warm-up).
+        idx = batch_at(micro, groups, batch_size, seed)
         mine, weight = my_share(len(idx), rank, world)
-        gens = item_generators(seed, step, len(idx))
+        gens = item_generators(seed, micro, len(idx))
         gens = [gens[j] for j in mine]
+        step = (micro - 1) // accum + 1
         text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
-        return _Batch(weight, gens, _pinned(torch.stack([latents[idx[j]] for j in mine])),
+        stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
+        text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
+        return _Batch(weight, gens, _pinned(torch.stack([d["latents"] for d in stored])),
                       {k: _pinned(v) for k, v in text.items()})
 
     progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
@@ -300,17 +249,21 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     t0 = time.perf_counter()
     # With CUDA the next step's batch is read and pinned while the GPU trains on this one. On the CPU a
     # loader thread only contends with the step's own threads (measured: 1.5x the step time on 2 cores).
-    batches = prefetch(load_step, steps) if overlap_loading() else map(load_step, steps)
-    for step, batch in zip(steps, batches):
-        weight, gens = batch.weight, batch.generators
-        batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
-        text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
-        with accelerator.autocast():
-            loss = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
-        accelerator.backward(loss * weight)
+    micro = [(s - 1) * accum + m for s in steps for m in range(1, accum + 1)]
+    batches = iter(prefetch(load_step, micro) if overlap_loading() else map(load_step, micro))
+    for step in steps:
+        loss = 0.0  # the step's loss: the mean over its micro-batches (and processes)
+        for batch in islice(batches, accum):  # gradients add up; checkpoints fall between optimizer steps
+            weight, gens = batch.weight / accum, batch.generators
+            batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
+            text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
+            with accelerator.autocast():
+                part = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
+            accelerator.backward(part * weight)
+            part = part.detach() * weight
+            loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)
         if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
             _sum_gradients(accelerator, params)
-            loss = accelerator.reduce(loss.detach() * weight, reduction="sum")
         if tc["max_grad_norm"] > 0:
             accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()

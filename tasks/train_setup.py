@@ -11,13 +11,19 @@ import torch
 from peft import LoraConfig
 
 from tasks.fp8_base import store_base_low
-from tasks.memory import layerwise_skip_patterns
+from tasks.memory import layerwise_skip_patterns, lora_targets
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def precision(cfg: dict) -> str:
+    """accelerate's mixed_precision: fp16 (autocast + GradScaler) whenever the weights are fp16, so the backward
+    pass never runs in fp16 without loss scaling (the LoRA weights are fp32); else train.mixed_precision."""
+    return "fp16" if cfg["model"]["dtype"] == "float16" else cfg["train"]["mixed_precision"]
 
 
 def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
@@ -52,7 +58,7 @@ def prepare_denoiser(adapter, cfg: dict):
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                                    target_modules=list(tc["target_modules"] or adapter.default_lora_targets())))
+                                    target_modules=lora_targets(tc, adapter)))
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()

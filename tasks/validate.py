@@ -25,9 +25,11 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
-            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none")}
+            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
+            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
-             ("train", "log_every"), ("train", "num_processes"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
+             ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
+             ("train", "discrete_flow_shift"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
 
 def check_config(cfg: dict) -> list[str]:
@@ -113,6 +115,13 @@ def _check_device(cfg: dict) -> list[str]:
     errors, cuda = [], torch.cuda.is_available()
     if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
         errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
+    mp = cfg["train"]["mixed_precision"]
+    if cfg["model"]["dtype"] == "float16" and (mp == "bf16" or not cuda):
+        # fp16 weights train under accelerate's fp16 autocast with its loss scaler (LoRA weights fp32), as
+        # the references: CUDA only, and no bf16 autocast over fp16 weights.
+        why = "train.mixed_precision=bf16 contradicts it" if mp == "bf16" else "that needs a CUDA GPU"
+        errors.append(f"model.dtype=float16 trains with fp16 loss scaling and {why}; use model.dtype=bfloat16 "
+                      "or float32" + (" (or train.mixed_precision=fp16 / no)" if cuda else ""))
     if cfg["train"]["optimizer"] == "adamw8bit":
         try:
             import bitsandbytes  # noqa: F401
@@ -162,6 +171,9 @@ def config_errors(cfg: dict) -> list[str]:
     except ConfigError as e:
         return errors + [str(e)]
     errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
+    if cfg["train"]["timestep_sampling"] != "sigma" and not adapter_cls.flow_matching:
+        errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
+                      f"(Flux, SD3); {cfg['model']['family']} samples DDPM timesteps: use train.timestep_sampling=sigma")
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
         why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"
@@ -204,7 +216,11 @@ def run(cfg: dict, store: Store) -> dict:
     model_dir = resolve_model(cfg["model"], store)
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
-        ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components))}
+        ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components),
+        ("scheduler", ("scheduler",)))}  # the training noise schedule the loop loads (shift, prediction_type)
+    options = pipeline_options(model_dir)
+    if options:  # e.g. SDXL's force_zeros_for_empty_prompt: sampling reads them; no key changes without them
+        ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
     adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
     estimate = memory.preflight(cfg, adapter, size)
     log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"], estimate["budget_gb"],
@@ -225,6 +241,15 @@ def run(cfg: dict, store: Store) -> dict:
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
             "dataset": dataset}
+
+
+def pipeline_options(model_dir) -> dict:
+    """model_index.json's pipeline options (not components, not _class_name/_diffusers_version)."""
+    import json
+    from pathlib import Path
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    return {k: v for k, v in index.items() if not k.startswith("_") and not (isinstance(v, list) and len(v) == 2)}
 
 
 def _dataset_warnings(dataset: list[dict]) -> list[str]:

@@ -140,3 +140,58 @@ def test_other_model_weights_recompute_everything(workspace):
     r = workspace.run("model.seed=1")
     assert counts(r) == (N_IMAGES, distinct_texts(workspace), "ran", N_PROMPTS)
     assert "vae" in r["nodes"]["cache_latents"]["changed"] and "encoders" in r["nodes"]["cache_text"]["changed"]
+
+
+def test_training_scheduler_config_edited(workspace):
+    # The train loop loads the model's scheduler/ (shift, prediction_type): an edit there retrains (and
+    # resumes no checkpoint of the old trajectory); latents and text are reused.
+    import json
+
+    model = workspace.root / "model"
+    shutil.copytree(next((workspace.store / "models").rglob("model_index.json")).parent, model)
+    assert counts(workspace.run(f"model.path={model}")) == (0, 0, "cached", 0)  # identities, not paths
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "shift": 2.0}))
+    r = workspace.run(f"model.path={model}")
+    assert counts(r) == (0, 0, "ran", N_PROMPTS)
+    assert "continued_from_step" not in r["nodes"]["train"]
+
+
+def test_pipeline_option_in_model_index_edited(workspace, tmp_path):
+    # model_index.json options change sampling (SDXL's force_zeros_for_empty_prompt: the CFG negative):
+    # an edit re-renders every sample, and nothing else.
+    import json
+
+    from tasks.models.tiny_families import build_tiny_sdxl
+
+    model = build_tiny_sdxl(tmp_path / "sdxl")
+    workspace.run("model=tiny_sdxl", f"model.path={model}")
+    index = model / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "force_zeros_for_empty_prompt": False}))
+    r = workspace.run("model=tiny_sdxl", f"model.path={model}")
+    assert counts(r) == (0, 0, "cached", N_PROMPTS)
+
+
+def test_image_edited_between_validate_and_cache_latents(workspace, monkeypatch):
+    # A new image (its caption the same text as img_00's) is edited after validate digested it: that run
+    # fails naming it, nothing stored under the old bytes' key; the next run reuses the new bytes' latent.
+    from tasks import cache_latents
+
+    path, real = workspace.data / "img_new.png", cache_latents.read_image
+    img = Image.open(workspace.data / "img_00.png").convert("RGB")
+    img.putpixel((0, 0), (1, 2, 3))
+    img.save(path)
+    shutil.copyfile(workspace.data / "img_00.txt", workspace.data / "img_new.txt")
+
+    def edit_then_read(p):
+        if str(p) == str(path) and not getattr(edit_then_read, "done", False):
+            edit_then_read.done = True
+            img.putpixel((0, 0), (4, 5, 6))
+            img.save(path)
+        return real(p)
+
+    monkeypatch.setattr(cache_latents, "read_image", edit_then_read)
+    with pytest.raises(Exception, match="changed on disk after validate: img_new.png"):
+        workspace.run()
+    monkeypatch.undo()
+    assert counts(workspace.run()) == (0, 0, "ran", N_PROMPTS)

@@ -82,6 +82,11 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_vae(self) -> torch.nn.Module: ...
 
+    def latent_settings(self) -> dict:
+        """What besides model.dtype changes the latent's bytes (e.g. an upcast VAE), for the latent's key;
+        empty where nothing does, so existing keys stay as they were."""
+        return {}
+
     @abstractmethod
     def encode_latents(self, vae, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [B,3,H,W] in [-1,1] -> latents [B,C,h,w] ready for the denoiser (scaled/shifted)."""
@@ -96,8 +101,18 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_denoiser(self) -> torch.nn.Module: ...
 
+    # The family's own training version, in the LoRA's key when set: bumped where one family's LoRA bytes
+    # change, so the other families' keys stay as they were.
+    train_version: str | None = None
+    latent_version: str | None = None  # the same for the latent's key
+    # Whether a latent is stored with its image's original size and crop offsets (SDXL's size conditioning);
+    # training passes them to the loss beside the text tensors.
+    size_conditioning = False
+    flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/flow_matching.py)
+
     @abstractmethod
-    def default_lora_targets(self) -> list[str]: ...
+    def default_lora_targets(self) -> list[str] | str:
+        """peft target_modules: names matched by suffix, or one regex matched against whole module paths."""
 
     @abstractmethod
     def training_loss(self, denoiser, latents: torch.Tensor, text: dict[str, torch.Tensor], train_cfg: dict,

@@ -1,6 +1,8 @@
 """Flow-matching pieces shared by Flux and SD3 (diffusers' dreambooth LoRA examples for both)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
@@ -16,12 +18,34 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
     u = torch.cat([compute_density_for_timestep_sampling(
         weighting_scheme=train_cfg["weighting_scheme"], batch_size=1, logit_mean=train_cfg["logit_mean"],
         logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=g) for g in generators])
-    indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
-    sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, 1, 1, 1)
-    timesteps = scheduler.timesteps[indices].to(latents.device)
+    mode = train_cfg.get("timestep_sampling", "sigma")
+    if mode == "sigma":  # a sigma of the scheduler's table (its own shift applied), as diffusers' examples
+        indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
+        sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, 1, 1, 1)
+        timesteps = scheduler.timesteps[indices].to(latents.device)
+    else:  # continuous, as sd-scripts' --timestep_sampling uniform / shift / flux_shift
+        sigmas = shifted_sigmas(u, mode, train_cfg.get("discrete_flow_shift", 3.0), latents.shape[-2:])
+        timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
+        sigmas = sigmas.to(latents.device, latents.dtype).view(b, 1, 1, 1)
     return (1.0 - sigmas) * latents + sigmas * noise, noise, timesteps, sigmas
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:
     weighting = compute_loss_weighting_for_sd3(weighting_scheme, sigmas)
     return (weighting.float() * (pred.float() - target.float()) ** 2).reshape(pred.shape[0], -1).mean()
+
+
+def shifted_sigmas(u: torch.Tensor, mode: str, shift: float, latent_hw) -> torch.Tensor:
+    """u in [0, 1) -> sigma: as drawn (uniform), with the scheduler's static shift formula (shift), or with
+    Flux's resolution-dependent mu (flux_shift: diffusers' calculate_shift on the packed sequence length,
+    the time shift of FlowMatchEulerDiscreteScheduler)."""
+    if mode == "uniform":
+        return u
+    if mode == "shift":
+        return shift * u / (1 + (shift - 1) * u)
+    if mode == "flux_shift":
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        mu = calculate_shift((latent_hw[0] // 2) * (latent_hw[1] // 2))
+        return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+    raise ValueError(f"train.timestep_sampling={mode!r}: choose sigma, uniform, shift or flux_shift")

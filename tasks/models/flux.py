@@ -29,6 +29,7 @@ class FluxAdapter(FamilyAdapter):
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16
+    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
@@ -76,10 +77,15 @@ class FluxAdapter(FamilyAdapter):
     def load_denoiser(self):
         return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
+    # The blocks' attention and MLP projections, by full path (a regex peft matches whole names): never the
+    # top-level proj_out (the final layer), which neither diffusers' Flux LoRA example nor sd-scripts trains.
+    LORA_TARGETS = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
+                    r"|ff(_context)?\.net\.(0\.proj|2))"
+                    r"|single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out)")
+    train_version = "2"  # 2: LoRA targets by full path, without the final layer (the LoRA's bytes changed)
+
     def default_lora_targets(self):
-        # Attention and MLP projections of both block types (as diffusers' Flux LoRA example with --lora_layers).
-        return ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out",
-                "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+        return self.LORA_TARGETS
 
     def load_train_scheduler(self):
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")

@@ -26,6 +26,7 @@ class SD3Adapter(FamilyAdapter):
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
+    flow_matching = True
 
     # The SD3 LoRA example's --precondition_outputs (default 1): the loss compares x0 estimates
     # (x_t - sigma * v against x0) rather than velocities; that is the velocity loss weighted by sigma^2.

@@ -13,6 +13,8 @@ class SDXLAdapter(UNetAdapter):
     pipeline_cls = StableDiffusionXLPipeline
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     embed_names = ("prompt_embeds", "pooled_prompt_embeds")
+    size_conditioning = True
+    latent_version = "2"  # 2: latents stored with their original size and crop offsets
 
     def _encode(self, pipe, texts):
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, device=self.device, num_images_per_prompt=1,
@@ -20,11 +22,15 @@ class SDXLAdapter(UNetAdapter):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def added_cond_kwargs(self, text, latents):
-        # time_ids = (orig_h, orig_w, crop_top, crop_left, target_h, target_w) in pixels: the uncropped
-        # training size, which is what the pipeline passes at sampling time for the same height/width.
+        # time_ids = (orig_h, orig_w, crop_top, crop_left, target_h, target_w) in pixels, as diffusers' SDXL
+        # LoRA example and sd-scripts: each image's size before resizing and its crop offsets, recorded with
+        # its latent. Without them (a bare call) the item counts as uncropped at the training size, which is
+        # what the pipeline passes at sampling time for the same height/width.
         b, _, h, w = latents.shape
-        h, w = h * VAE_SCALE, w * VAE_SCALE
-        time_ids = torch.tensor([h, w, 0, 0, h, w], dtype=latents.dtype, device=latents.device).repeat(b, 1)
+        target = torch.tensor([h * VAE_SCALE, w * VAE_SCALE]).repeat(b, 1)
+        original = text.get("original_size", target).reshape(b, 2)
+        crop = text.get("crop_top_left", torch.zeros_like(target)).reshape(b, 2)
+        time_ids = torch.cat([original.cpu(), crop.cpu(), target], dim=1).to(latents.device, latents.dtype)
         return {"text_embeds": text["pooled_prompt_embeds"].to(latents.dtype), "time_ids": time_ids}
 
     def unconditional(self, pipe, negative, empty):

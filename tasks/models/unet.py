@@ -4,6 +4,7 @@ examples/text_to_image/train_text_to_image_lora(_sdxl).py; a family subclass say
 encodes text and what extra conditioning its UNet takes."""
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from pathlib import Path
 
@@ -32,14 +33,39 @@ class UNetAdapter(FamilyAdapter):
     size_multiple = VAE_SCALE  # no patching
 
     # -- latents ---------------------------------------------------------------------------------
+    def _vae_config(self) -> dict:
+        return json.loads((self.model_dir / "vae" / "config.json").read_text())
+
+    def vae_dtype(self) -> torch.dtype:
+        """The VAE's compute dtype: fp32 where the config says force_upcast and the model is fp16, as the
+        pipelines decode (the SDXL VAE overflows in fp16: NaN latents, NaN losses); else model.dtype."""
+        upcast = self.dtype == torch.float16 and self._vae_config().get("force_upcast", True)
+        return torch.float32 if upcast else self.dtype
+
+    def latent_settings(self) -> dict:
+        c, out = self._vae_config(), {}
+        if self.vae_dtype() != self.dtype:
+            out["vae_dtype"] = str(self.vae_dtype()).removeprefix("torch.")
+        if c.get("latents_mean") is not None and c.get("latents_std") is not None:
+            out["latents_stats"] = True
+        return out
+
     def load_vae(self):
         # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.vae_dtype(), **_SAFE).to(self.device).eval()
 
     @torch.no_grad()
     def encode_latents(self, vae, pixels):
-        # The mode, not a sample: the cached latent is then a pure function of the image. No shift in SD/SDXL.
-        return vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode() * vae.config.scaling_factor
+        # The mode, not a sample: the cached latent is then a pure function of the image. No shift in SD/SDXL;
+        # a VAE with latents_mean/std is normalised by them as diffusers' SDXL example does (its pipeline
+        # undoes it before decoding). Stored in model.dtype.
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
+        c = vae.config
+        if c.get("latents_mean") is not None and c.get("latents_std") is not None:
+            mean = torch.tensor(c.latents_mean, dtype=z.dtype, device=z.device).view(1, -1, 1, 1)
+            std = torch.tensor(c.latents_std, dtype=z.dtype, device=z.device).view(1, -1, 1, 1)
+            return ((z - mean) * c.scaling_factor / std).to(self.dtype)
+        return (z * c.scaling_factor).to(self.dtype)
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):

@@ -1,0 +1,94 @@
+"""The train node's key: what determines the LoRA (and what only shapes steps after k, for checkpoints)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from tasks import augment, cache_text
+from tasks.hashing import key_of
+from tasks.models import adapter_class
+from tasks.runtime import runtime
+
+FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
+
+# Settings that shape none of steps 1..k: runs that differ only in these share checkpoints, so raising
+# max_steps continues from the latest stored one (unless the LR schedule itself depends on max_steps).
+# (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
+_NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
+# Settings that change nothing the node stores (where the loss curve is logged).
+_NOT_KEY = ("log_with",)
+SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
+
+
+def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
+    """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
+
+    A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
+    from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
+
+    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
+             for it in plan["items"]}
+    return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
+            "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
+            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
+            "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
+            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in _unused(cfg["train"])},
+            **_augmentation(cfg), **_sampling(cfg), **pairs}
+
+
+def _unused(tc: dict) -> set[str]:
+    """Settings added since keys were first stored, left out of the key while they have no effect (at their
+    default), so every earlier LoRA keeps its key."""
+    out = {k for k, default in (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma")) if tc.get(k) == default}
+    return out | ({"discrete_flow_shift"} if tc.get("timestep_sampling") != "shift" else set())
+
+
+def _family_version(plan: dict) -> dict:
+    # The family's own training version (FamilyAdapter.train_version), in the key only once it is set.
+    version = adapter_class(plan["family"]).train_version
+    return {"family_version": version} if version else {}
+
+
+def _loss_scaling(cfg: dict) -> dict:
+    # fp16 weights train with accelerate's fp16 loss scaling whatever train.mixed_precision says (since issue 18)
+    return {"loss_scaling": "fp16"} if cfg["model"]["dtype"] == "float16" else {}
+
+
+def _modulation(cfg: dict) -> dict:
+    # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
+    # LoRA bytes changed with tasks/fp8_base.py (the autograd-safe cast replaced layerwise casting).
+    if not cfg["model"]["storage_dtype"]:
+        return {}
+    return {"fp8_base": FP8_BASE_VERSION, **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
+
+
+def _sampling(cfg: dict) -> dict:
+    # Samples during training are outputs of this node (the prompts file's content is not: it is re-read
+    # at each sample point, and editing it must not retrain).
+    every = cfg["sample"]["every_n_steps"]
+    return {"sample.every_n_steps": every} if every else {}
+
+
+def _augmentation(cfg: dict) -> dict:
+    aug = cache_text.caption_aug(cfg)
+    if not augment.active(aug):
+        return {}
+    return {"augment": {**asdict(aug), "mode": augment.text_mode(cfg["text"], aug),
+                        "variants_seed": cfg["text"]["variants_seed"]}}
+
+
+def trajectory_key(node_inputs: dict, tc: dict) -> str:
+    keep = {k: v for k, v in node_inputs.items() if k not in _NOT_TRAJECTORY}
+    if tc["lr_scheduler"] not in SCHEDULES_WITHOUT_MAX_STEPS:
+        keep["train.max_steps"] = tc["max_steps"]
+    return key_of(keep)
+
+
+def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
+    """The caption's identity for the training key: its cached texts' keys (all variants), or, when
+    training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
+    labels = cache_text.caption_texts(cfg, plan, item)
+    if labels:
+        return key_of(sorted(text_keys[cache_text.caption_name(item["name"], label)] for label in labels))
+    return cache_text.text_key(cfg, plan, item["caption"])
+
+
