@@ -39,10 +39,21 @@ def comfyui_unet_key_map(denoiser_names, ldm_names=()):
     return out
 
 
-def comfyui_transformer_key_map(denoiser_names):
-    """comfy/lora.py model_lora_keys_unet for Flux / SD3: `transformer.<diffusers name>` via flux_to_diffusers /
-    mmdit_to_diffusers (every diffusers Linear of the blocks and the top-level layers has an entry)."""
-    return {f"transformer.{n}": n for n in denoiser_names}
+# The diffusers Linears that comfy/utils.py flux_to_diffusers / mmdit_to_diffusers map (block Linears,
+# embedders and the final layer; a subset written out here for the modules our LoRAs can target).
+_B = r"transformer_blocks\.\d+\.(attn2?\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|ff(_context)?\.net\.(0\.proj|2)" \
+     r"|norm1(_context)?\.linear)"
+_COMFY_MAPPED = {
+    "flux": _B + r"|single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out|norm\.linear)"
+                 r"|proj_out|x_embedder|context_embedder|time_text_embed\.\w+\.linear_[12]",
+    "sd3": _B + r"|proj_out|context_embedder|time_text_embed\.\w+\.linear_[12]",
+}
+
+
+def comfyui_transformer_key_map(family, denoiser_names):
+    """comfy/lora.py model_lora_keys_unet for Flux / SD3: `transformer.<diffusers name>` for every name
+    flux_to_diffusers / mmdit_to_diffusers map (comfy/utils.py)."""
+    return {f"transformer.{n}": n for n in denoiser_names if re.fullmatch(_COMFY_MAPPED[family], n)}
 
 
 def _linears(pipe):
@@ -69,7 +80,7 @@ def test_diffusers_file_bakes_alpha_for_every_loader(family, model_dirs, tmp_pat
 
     pipe = _load(model_dir)  # ComfyUI's rule, where its key map reads our keys (see the README's table)
     linears = _linears(pipe)
-    key_map = comfyui_transformer_key_map(linears) if family in ("flux", "sd3") else comfyui_unet_key_map(linears)
+    key_map = comfyui_transformer_key_map(family, linears) if family in ("flux", "sd3") else comfyui_unet_key_map(linears)
     modules = {comfyui_lora_key(k) for k in baked}
     if family in ("sdxl", "sd15"):  # `unet.<name>.to_k` is no ComfyUI key: the README sends ComfyUI to kohya
         assert not modules & set(key_map)
