@@ -10,7 +10,9 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
   A1111, ComfyUI and diffusers (`_maybe_map_sgm_blocks_to_diffusers`) load them.
 - flux: BFL names (`lora_unet_double_blocks_0_img_attn_qkv`, `..._single_blocks_0_linear1`), i.e.
   networks.lora_flux's layout, loaded by sd-scripts, ComfyUI, Forge and diffusers' `FluxPipeline` (whose
-  converter assumes FLUX.1's widths for single-block linear1 and drops img_in/txt_in/final_layer).
+  converter assumes FLUX.1's widths for single-block linear1 and drops img_in/txt_in). A LoRA on the top-level
+  `proj_out` (BFL `final_layer.linear`) is left out with a warning: networks.lora_flux has no such module and
+  sd-scripts' strict load refuses the key.
 - sd3: SAI MMDiT names (`lora_unet_joint_blocks_0_x_block_attn_qkv`), networks.lora_sd3's layout, loaded
   by sd-scripts and ComfyUI. diffusers' `StableDiffusion3Pipeline` loads NO kohya layout (its
   `lora_state_dict` does no conversion), so an SD3 export cannot be loaded back with diffusers.
@@ -24,16 +26,19 @@ import json
 import os
 import re
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
 from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tasks.store import canonicalize_safetensors
 
 FAMILIES = ("flux", "sd3", "sdxl", "sd15")
-CODE_VERSION = "3"  # bump when the key mapping or metadata changes: stored kohya files are re-derived
+LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
+CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
 # diffusers module (full match) -> (kohya module, group size). Group size > 1: the original checkpoint has
 # ONE fused Linear (qkv, or Flux's single-block linear1 = q|k|v|mlp) where diffusers has several; the slot
@@ -55,7 +60,6 @@ _RULES = {
         (_S + r"(proj_mlp)", "single_blocks_{}_linear1", 4),
         (_S + r"proj_out", "single_blocks_{}_linear2", 1),
         (_S + r"norm\.linear", "single_blocks_{}_modulation_lin", 1),
-        (r"proj_out", "final_layer_linear", 1),
         (r"x_embedder", "img_in", 1),
         (r"context_embedder", "txt_in", 1),
     ],
@@ -76,10 +80,8 @@ _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
 _SLOT_WIDTH = (1, 1, 1, 4)
-# diffusers' Flux converter copies final_layer's down/up without reading its alpha (scale 1) -- and today also
-# drops it for a missing `transformer.` prefix. Baking alpha/rank into up (alpha = rank) gives the same delta
-# in every loader.
-_BAKE_ALPHA = {"final_layer_linear"}
+# Modules no kohya loader of the family has (sd-scripts' strict load fails on them): left out, with a warning.
+_DROP = {"flux": r"proj_out"}
 
 _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1")}
@@ -108,6 +110,9 @@ def _pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tens
 
 def _transformer_to_kohya(family, pairs, rank, alpha):
     groups: dict[str, tuple[int, dict[int, tuple]]] = {}
+    if dropped := sorted(m for m in pairs if re.fullmatch(_DROP.get(family, "(?!)"), m)):
+        warnings.warn(f"{family}: kohya file leaves out {dropped} (no such module in sd-scripts' {family} LoRA)")
+        pairs = {m: ab for m, ab in pairs.items() if m not in dropped}
     for module, ab in pairs.items():
         for pattern, name, size in _RULES[family]:
             m = re.fullmatch(pattern, module)
@@ -121,10 +126,7 @@ def _transformer_to_kohya(family, pairs, rank, alpha):
     out = {}
     for name, (size, slots) in groups.items():
         if size == 1:
-            down, up = slots[0]
-            a = alpha
-            if name in _BAKE_ALPHA:
-                up, a = up * (alpha / rank), float(rank)
+            (down, up), a = slots[0], alpha
         else:
             # Fuse into the checkpoint's single Linear, exactly: down = [A_q; A_k; A_v(; A_mlp)] stacked
             # (size*rank x in), up = block-diagonal diag(B_q, B_k, B_v(, B_mlp)) (sum(out) x size*rank), so
@@ -190,13 +192,50 @@ def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, st
 
 
 def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str]) -> Path:
-    """Write `to_kohya(...)` with `metadata` to `path` atomically: a crash leaves the old file or the new
-    one, never a truncated file that a UI would try to load."""
+    """Write `to_kohya(...)` with `metadata` to `path` atomically."""
+    return _write(path, to_kohya(family, peft_state_dict, rank, alpha), metadata)
+
+
+def bake_alpha(state_dict: dict[str, torch.Tensor], metadata: dict[str, str]):
+    """A diffusers (PEFT-layout) LoRA file's tensors and metadata -> the same LoRA with its scale
+    (lora_alpha / r, or / sqrt(r) with rslora) multiplied into every lora_B, and lora_alpha = r, rslora off.
+    ComfyUI reads no `lora_adapter_metadata` and applies PEFT keys at scale 1; diffusers reads the metadata
+    and now also gets scale 1, so both give the trained delta."""
+    adapters = json.loads(metadata[LORA_META])
+    out_meta, scale = dict(metadata), {}
+    for key in [k for k in adapters if k.endswith(".r")]:
+        prefix = key[: -len("r")]
+        if adapters.get(prefix + "rank_pattern") or adapters.get(prefix + "alpha_pattern"):
+            raise ValueError(f"{prefix}: per-module rank/alpha patterns are not supported")
+        r, a = adapters[prefix + "r"], adapters[prefix + "lora_alpha"]
+        scale[prefix] = a / (r ** 0.5 if adapters.get(prefix + "use_rslora") else r)
+        adapters.update({prefix + "lora_alpha": r, prefix + "use_rslora": False})
+        out_meta[f"loraflow_{prefix}trained_alpha"] = str(float(a))
+    out = {}
+    for k, v in state_dict.items():
+        if ".lora_B." in k:
+            s = scale[k.split(".", 1)[0] + "."]  # `<component>.` prefix, as diffusers writes it
+            v = (v.double() * s).to(v.dtype)
+        out[k] = v.contiguous()
+    out_meta[LORA_META] = json.dumps(adapters, indent=2, sort_keys=True)
+    return out, out_meta
+
+
+def save_diffusers(path, src) -> Path:
+    """The diffusers file `src` with its alpha baked in (`bake_alpha`), written atomically to `path`."""
+    with safe_open(str(src), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    return _write(path, *bake_alpha(tensors, metadata))
+
+
+def _write(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Atomic, canonical write: a crash leaves the old file or the new one, never a truncated file that a UI
+    would try to load; the same tensors and metadata give the same bytes."""
     path = Path(path)
     bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
     if bad:
         raise TypeError(f"safetensors metadata must be str -> str: {bad}")
-    tensors = {k: v.detach().cpu() for k, v in to_kohya(family, peft_state_dict, rank, alpha).items()}
+    tensors = {k: v.detach().cpu() for k, v in tensors.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # same dir: os.replace must not cross fs
     try:

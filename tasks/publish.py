@@ -1,7 +1,8 @@
 """The run's outputs, copied out of the store into its run directory, in the requested LoRA formats.
 
-The kohya file is derived from the stored diffusers LoRA and is itself a store entry, keyed by the
-LoRA's key and the converter's version, so it is converted once."""
+Both exported files are derived from the stored diffusers LoRA (what training and sampling use) and are
+themselves store entries, keyed by the LoRA's key, the format and the converter's version, so each is
+converted once: the kohya file, and the diffusers file with alpha/rank baked into lora_B (export.bake_alpha)."""
 from __future__ import annotations
 
 import shutil
@@ -15,6 +16,7 @@ from tasks.sample import make_grid, slug
 from tasks.store import Store
 
 KOHYA_KIND = "lora_kohya"
+DIFFUSERS_KIND = "lora_diffusers"
 
 
 def peft_from_diffusers(state_dict: dict) -> dict:
@@ -40,6 +42,15 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
     return store.get_path(KOHYA_KIND, key)
 
 
+def diffusers_file(store: Store, lora: dict) -> Path:
+    key = key_of({"lora": lora["key"], "format": "diffusers", "code": export.CODE_VERSION})
+    if not store.valid(DIFFUSERS_KIND, key):
+        with store.tmp_dir("publish") as tmp:
+            path = export.save_diffusers(Path(tmp) / "pytorch_lora_weights.safetensors", lora["lora"])
+            store.put_file(DIFFUSERS_KIND, key, path, meta={"lora": lora["key"]})
+    return store.get_path(DIFFUSERS_KIND, key)
+
+
 def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
     lora_dir = run_dir / "lora"
     lora_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +58,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     if fmt in ("diffusers", "both"):
         # The file name diffusers' load_lora_weights(<dir>) looks for.
         files["diffusers"] = lora_dir / "pytorch_lora_weights.safetensors"
-        shutil.copyfile(lora["lora"], files["diffusers"])
+        shutil.copyfile(diffusers_file(store, lora), files["diffusers"])
     if fmt in ("kohya", "both"):
         files["kohya"] = lora_dir / "lora_kohya.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])

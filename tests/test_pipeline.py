@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from tasks.store import Store
@@ -126,11 +127,21 @@ def _sample_keys(ws) -> list[str]:
 
 
 def test_lora_alpha_survives_into_the_loaded_pipeline(workspace):
-    """alpha != rank: the saved file carries the LoRA config, so diffusers applies alpha/rank, not 1."""
+    """alpha != rank: the published diffusers file has alpha/rank baked into lora_B (config alpha = r), so
+    diffusers and ComfyUI (which ignores the config) apply the trained delta: the kohya file's alpha/rank * up@down."""
     from diffusers import FluxPipeline
+    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     r = workspace.run("train.rank=4", "train.alpha=16")
     pipe = FluxPipeline.from_pretrained(r["artifacts"]["base_model"], use_safetensors=True)
     pipe.load_lora_weights(str(Path(r["artifacts"]["lora"]).parent))
     config = next(iter(pipe.transformer.peft_config.values()))
-    assert (config.r, config.lora_alpha) == (4, 16)
+    assert (config.r, config.lora_alpha) == (4, 4)
+    with safe_open(r["artifacts"]["lora"], "pt") as f:
+        assert f.metadata()["loraflow_transformer.trained_alpha"] == "16.0"
+    peft, kohya = load_file(r["artifacts"]["lora_files"]["diffusers"]), load_file(r["artifacts"]["lora_files"]["kohya"])
+    m, k = "transformer.transformer_blocks.0.attn.to_out.0", "lora_unet_double_blocks_0_img_attn_proj"
+    assert kohya[f"{k}.alpha"].item() == 16.0
+    torch.testing.assert_close(peft[f"{m}.lora_B.weight"] @ peft[f"{m}.lora_A.weight"],
+                               4.0 * kohya[f"{k}.lora_up.weight"] @ kohya[f"{k}.lora_down.weight"])

@@ -1,6 +1,6 @@
 """Corruption, a full disk and planted pickles, through the real flow (reliability campaign).
 
-Every kind the flow stores (models, latents, text, checkpoints, lora, lora_kohya, samples) and the run
+Every kind the flow stores (models, latents, text, checkpoints, lora, lora_kohya, lora_diffusers, samples) and the run
 record are truncated, flipped or replaced by a pickle with a matching manifest; the next run detects each
 (digest, manifest self-check, or format header), recomputes it to the same bytes and lists it in
 report.json `repaired`. A full disk (ENOSPC injected into the store's writes, or a real tiny tmpfs where
@@ -22,7 +22,7 @@ from faults import REPO, child, data_of, debris, entries, flip, largest_file, sn
 from tasks.hashing import digest_file, digest_tree
 from tasks.store import Store, StoreFull, _manifest_check, track_repairs
 
-KINDS = ("models", "latents", "text", "checkpoints", "lora", "lora_kohya", "samples")
+KINDS = ("models", "latents", "text", "checkpoints", "lora", "lora_kohya", "lora_diffusers", "samples")
 FAULTS = ("flip-data", "truncate-data", "flip-manifest", "truncate-manifest", "pickle")
 
 
