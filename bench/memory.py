@@ -183,7 +183,7 @@ def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: boo
                      "storage_modulation": modulation, "max_sequence_length": text_len},
            "train": {"rank": rank, "batch_size": 1, "optimizer": optimizer, "mixed_precision": "bf16",
                      "gradient_checkpointing": ckpt}}
-    return estimate(cfg, folder, "transformer", FluxAdapter.default_lora_targets(None), (resolution, resolution),
+    return estimate(cfg, folder, "transformer", FluxAdapter.LORA_TARGETS, (resolution, resolution),
                     text_len, FluxTransformer2DModel)
 
 

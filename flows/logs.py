@@ -97,7 +97,7 @@ def run_logs(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return _call_with_logs(fn, args, kwargs)  # a module-level function: joblib's cloudpickle takes it by name
+        return _call_with_logs(fn, args, kwargs)  # a module-level function: joblib's pickler of the sweep's callables takes it by name
 
     return wrapper
 
