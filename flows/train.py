@@ -14,9 +14,10 @@ import time
 
 from prefect import flow
 
+from flows import console
 from flows.artifacts import publish_artifacts
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
-from tasks import cache_latents, cache_text, sample, train, validate
+from tasks import cache_latents, cache_text, interrupt, sample, train, validate
 from tasks.checkpoint_samples import all_valid
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.dataset import DatasetError
@@ -124,6 +125,8 @@ def _hydra_main() -> None:
     from omegaconf import OmegaConf
 
     _stop_on_bad_config()
+    console.install_signal_handlers()
+    console.shield_temporary_server()
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
@@ -132,14 +135,17 @@ def _hydra_main() -> None:
         hc = HydraConfig.get()
         # Unresolved: iterating the ListConfig would resolve a "train.lr=${...}" override's text here.
         overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
+        console.quiet_user_errors(USER_ERRORS)
         try:
             check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+        except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
+            console.exit_interrupted(e)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
-            print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
             if hc.mode == RunMode.MULTIRUN:
+                print(f"\nloraflow: stopped: {e}", file=sys.stderr)
                 raise  # Hydra marks the member failed and runs the rest; the sweep summary lists it
-            sys.exit(2)
+            console.exit_user_error(e, "stopped" if isinstance(e, StoreFull) else "stopped before training")
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
 
     main()
