@@ -151,5 +151,7 @@ def _hydra_main() -> None:
     main()
 
 
+cli = _hydra_main  # the `loraflow` console command
+
 if __name__ == "__main__":
     sys.exit(_hydra_main())

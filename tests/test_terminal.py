@@ -118,3 +118,14 @@ def test_plus_key_on_an_unknown_key_is_refused_with_a_suggestion(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "train.lrr" in proc.stderr and "train.lr" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_console_commands_resolve_to_the_module_entry_points():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) >= {"loraflow", "loraflow-explain"}
+    for target in scripts.values():
+        module, name = target.split(":")
+        assert callable(getattr(importlib.import_module(module), name))
