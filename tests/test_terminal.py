@@ -113,6 +113,7 @@ def test_missing_model_path_says_so(tmp_path):
     assert "no such file or folder" in out
 
 
+@pytest.mark.xfail(reason="not done yet: +key= still gets past the schema (issue 15 item 4)", strict=False)
 def test_plus_key_on_an_unknown_key_is_refused_with_a_suggestion(tmp_path):
     proc = _cli(["+train.lrr=1"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
