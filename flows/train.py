@@ -14,11 +14,11 @@ import time
 
 from prefect import flow
 
-from flows import auth, sweep
+from flows import auth, console, sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
-from tasks import cache_latents, cache_text, sample, train, validate
+from tasks import cache_latents, cache_text, interrupt, sample, train, validate
 from tasks.checkpoint_samples import all_valid
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.dataset import DatasetError
@@ -130,6 +130,8 @@ def _hydra_main() -> None:
 
     _stop_on_bad_config()
     auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
+    console.install_signal_handlers()
+    console.shield_temporary_server()
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
     def main(cfg) -> None:
@@ -138,14 +140,16 @@ def _hydra_main() -> None:
         hc = HydraConfig.get()
         # Unresolved: iterating the ListConfig would resolve a "train.lr=${...}" override's text here.
         overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
+        console.quiet_user_errors(USER_ERRORS)
         try:
             check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+        except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
+            console.exit_interrupted(e)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
             if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its summary lists the member as failed
                 return sweep.member_failed(hc.runtime.output_dir, e)
-            print(f"\nloraflow: stopped{'' if isinstance(e, StoreFull) else ' before training'}: {e}", file=sys.stderr)
-            sys.exit(2)
+            console.exit_user_error(e, "stopped" if isinstance(e, StoreFull) else "stopped before training")
         except Exception as e:
             auth.stop_on_auth_failure(e)
             if hc.mode == RunMode.MULTIRUN:
@@ -160,6 +164,8 @@ def _hydra_main() -> None:
               f"{sweep.summary_path}", file=sys.stderr)
         sys.exit(1)
 
+
+cli = _hydra_main  # the `loraflow` console command
 
 if __name__ == "__main__":
     sys.exit(_hydra_main())

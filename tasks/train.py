@@ -16,7 +16,7 @@ from diffusers.optimization import get_scheduler
 from peft.utils import get_peft_model_state_dict
 from tqdm.auto import tqdm
 
-from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints
+from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt
 from tasks.checkpoint_samples import CheckpointSampler
 from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
@@ -282,10 +282,13 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             window = []
         if sampler.due(step) and main:
             sampler(step, denoiser, checkpoint_key(trajectory, step))
-        every = tc["save_every_n_steps"]
-        if ((every and step % every == 0) or step == tc["max_steps"]) and main:
+        every, stop = tc["save_every_n_steps"], interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
+        if ((every and step % every == 0) or step == tc["max_steps"] or stop) and main:
             _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, step_losses,
                              sampler.rendered)
+        if stop:
+            interrupt.kept(f"a checkpoint of train step {step}/{tc['max_steps']}")
+            raise interrupt.Interrupted(stop)
         accelerator.wait_for_everyone()
     progress.close()
     accelerator.end_training()
@@ -327,7 +330,8 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
 
                 out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
             else:
-                out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
+                with interrupt.deferred():  # a signal stops the loop at the end of its step (checkpoint kept)
+                    out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
             canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
             store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
         resumed = out["continued_from_step"] or None

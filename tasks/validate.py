@@ -223,8 +223,9 @@ def run(cfg: dict, store: Store) -> dict:
         ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
     adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
     estimate = memory.preflight(cfg, adapter, size)
-    log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"], estimate["budget_gb"],
-             estimate["budget_source"])
+    budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
+    log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"],
+             f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
     plan_items = [{"name": it.name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
                    "caption": it.caption} for it in items]
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area

@@ -65,6 +65,8 @@ def _diffusers_folder(path: str, key: str) -> Path:
         if not (local / "model_index.json").is_file():
             raise FileNotFoundError(f"{key}={path}: not a diffusers folder (no model_index.json)")
         return local
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1 or local.suffix:  # a local path, not a hub id
+        raise FileNotFoundError(f"{key}={path}: no such file or folder")
     from huggingface_hub import snapshot_download
 
     try:

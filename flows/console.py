@@ -1,0 +1,107 @@
+"""What a person at a terminal meets: Ctrl-C / SIGTERM, exit codes, user errors printed once.
+
+    exit 2    a user error (data, config, missing model/prompts/store package, store full): one message
+    exit 130  stopped by SIGINT (Ctrl-C); 143 by SIGTERM. Finished items and a checkpoint of the last
+              finished training step are kept; the same command continues.
+Prefect's temporary API server is started in its own session, so the terminal's Ctrl-C (sent to the
+whole process group) does not stop it under the running flow; loraflow stops it on the way out."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import signal
+import subprocess
+import sys
+
+from tasks import interrupt
+
+EXIT_USER_ERROR = 2
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def _on_signal(signum, frame) -> None:
+    # (inside training, tasks/interrupt.deferred holds the signal until the step ends, then calls this)
+    interrupt.request_stop(signum)
+    raise interrupt.Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    for signum in EXIT_CODES:
+        signal.signal(signum, _on_signal)
+
+
+def shield_temporary_server() -> None:
+    """Start Prefect's temporary API server (uvicorn subprocess) in a session of its own."""
+    from prefect.server.api import server
+
+    cls = server.SubprocessASGIServer
+    if getattr(cls, "_loraflow_shielded", False):
+        return
+    run = cls._run_uvicorn_command
+
+    @functools.wraps(run)
+    def in_own_session(self):
+        popen = subprocess.Popen
+        subprocess.Popen = functools.partial(popen, start_new_session=True)
+        try:
+            return run(self)
+        finally:
+            subprocess.Popen = popen
+
+    cls._run_uvicorn_command, cls._loraflow_shielded = in_own_session, True
+
+
+def stop_temporary_server() -> None:
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api import server
+
+    with contextlib.suppress(Exception):
+        APILogWorker.drain_all(timeout=5)  # the run's last log lines reach the API before it stops
+
+    for instance in list(server.SubprocessASGIServer._instances.values()):
+        with contextlib.suppress(Exception):
+            instance.stop()
+
+
+class _QuietUserErrors(logging.Filter):
+    """Drops Prefect's engine records of a user error or an interruption (their tracebacks, and the
+    'Finished in state Failed(<message>)' lines that repeat the message): the CLI prints it once."""
+
+    def __init__(self, quiet: tuple):
+        super().__init__()
+        self.quiet, self.seen = quiet, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("prefect"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.quiet):
+            self.seen.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return False
+        text = record.getMessage()
+        return not any(s and s in text for s in self.seen)
+
+
+def quiet_user_errors(quiet: tuple) -> None:
+    """Installs the filter on every handler of the root and prefect loggers, and on Prefect's run loggers."""
+    filt = _QuietUserErrors(quiet + (interrupt.Interrupted,))
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logger = logging.getLogger(name)
+        logger.addFilter(filt)
+        for handler in logger.handlers:
+            handler.addFilter(filt)
+
+
+def exit_interrupted(e: interrupt.Interrupted) -> None:
+    kept = " and ".join(["every finished item in the store", *interrupt.kept_items()])
+    print(f"\nloraflow: interrupted ({signal.Signals(e.signum).name}); kept {kept}. "
+          f"Run the same command again to continue.", file=sys.stderr, flush=True)
+    stop_temporary_server()
+    sys.exit(EXIT_CODES.get(e.signum, 128 + e.signum))
+
+
+def exit_user_error(e: BaseException, stopped: str = "stopped before training") -> None:
+    print(f"\nloraflow: {stopped}: {e}", file=sys.stderr, flush=True)
+    stop_temporary_server()
+    sys.exit(EXIT_USER_ERROR)
