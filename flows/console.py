@@ -21,7 +21,7 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def _on_signal(signum, frame) -> None:
-    # (inside training, tasks/interrupt.deferred holds the signal until the step ends, then calls this)
+    # (inside training, tasks/interrupt.until_safe_point catches this, lets the step end, then raises it again)
     interrupt.request_stop(signum)
     raise interrupt.Interrupted(signum)
 

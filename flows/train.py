@@ -54,6 +54,7 @@ def _run(task, store: Store, **params) -> dict:
 @flow(name="loraflow", persist_result=False)
 @run_logs  # loraflow's log to Prefect's API and <run dir>/loraflow.log
 def train_flow(config_name: str = "train", overrides: list[str] | None = None) -> dict:
+    interrupt.reset()  # a stop asked of an earlier flow run in this process is not this run's
     cfg_node, run_dir = compose(config_name, overrides)
     cfg = resolve_paths(cfg_node)
     run_dir = run_dir.resolve()

@@ -1,19 +1,25 @@
 """The stop flag: a signal (Ctrl-C, SIGTERM, a cancellation) asks the run to stop; code that can stop
 cleanly only between units of work (the training loop, between optimizer steps) checks the flag there.
 
-    request_stop(signum)   ask to stop (the signal handler in flows/console.py; a cancellation may too)
-    stop_requested()       the signal number asked for, or 0
-    deferred()             a context: inside it a signal only sets the flag (the loop stops at its next check)
-    raise_if_requested()   raise Interrupted if asked, e.g. between nodes
-    kept(text)             record what the stopped work kept, for the one line the CLI prints
+    request_stop(signum)    ask to stop (the signal handler in flows/console.py; a cancellation may too)
+    stop_requested()        the signal number asked for, or 0
+    until_safe_point(fn)    run fn in a thread; a signal in the main thread sets the flag, fn stops at its next
+                            check, then the signal's own exception is raised again
+    raise_if_requested()    raise Interrupted if asked, e.g. between nodes
+    kept(text)              record what the stopped work kept, for the one line the CLI prints
+
+Why a thread and not a deferring signal handler: Prefect acknowledges a deployment's cancellation only while
+its own SIGTERM handler is installed (prefect.utilities.engine.commit_control_intent_and_ack checks it by
+identity); replacing it, even for a while, turns the UI's stop button into a Crashed run. So the handlers stay
+as their owners installed them (the CLI's, Prefect's), and the work that must finish its step runs beside them.
 """
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import signal
 import threading
 
-_state = {"signum": 0, "deferred": 0, "kept": []}
+_state = {"signum": 0, "kept": []}
 
 
 class Interrupted(BaseException):
@@ -32,37 +38,43 @@ def stop_requested() -> int:
     return _state["signum"]
 
 
-def is_deferred() -> bool:
-    return _state["deferred"] > 0
+def _signum_of(exc: BaseException) -> int:
+    """The signal behind an exception a handler raised: ours, Prefect's TerminationSignal, KeyboardInterrupt."""
+    signum = getattr(exc, "signum", None) or getattr(exc, "signal", None)
+    return int(signum) if signum else int(signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM)
 
 
-def _set_flag(signum, frame) -> None:
-    request_stop(signum)
+def until_safe_point(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a thread of its own, with the caller's context (Prefect's run context, so its
+    log lines still reach the flow run). The main thread waits; when a signal handler raises there (the CLI's
+    Interrupted, Prefect's TerminationSignal, KeyboardInterrupt), the stop flag is set, fn ends at its next
+    check (a training step's end, its checkpoint stored), and the handler's exception is raised again, so its
+    owner decides what it means (exit 130/143; a cancelled flow run). A second signal while waiting is raised
+    at once (the thread is a daemon: the process can exit without it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)  # signals only reach the main thread: nothing to wait beside
+    out: dict = {}
+    context = contextvars.copy_context()
 
+    def work() -> None:
+        try:
+            out["value"] = context.run(fn, *args, **kwargs)
+        except BaseException as e:  # handed to the main thread as it is
+            out["error"] = e
 
-@contextlib.contextmanager
-def deferred():
-    """Inside: SIGINT/SIGTERM only set the flag (the code checks it and raises Interrupted at a safe point).
-    On the way out with Interrupted, the handler that was installed before (the CLI's, or Prefect's
-    SIGTERM bridge for a deployment's cancellation) gets the signal, so it decides what is raised."""
-    main = threading.current_thread() is threading.main_thread()
-    before = {s: signal.signal(s, _set_flag) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    _state["deferred"] += 1
+    worker = threading.Thread(target=work, name="loraflow-until-safe-point", daemon=True)
+    worker.start()
     try:
-        yield
-    except Interrupted as e:
-        _restore(before)
-        if callable(handler := before.get(e.signum)):
-            handler(e.signum, None)  # raises its own exception (Interrupted, TerminationSignal, KeyboardInterrupt)
+        while worker.is_alive():
+            worker.join(0.2)
+    except BaseException as e:
+        request_stop(_signum_of(e))
+        while worker.is_alive():
+            worker.join(0.2)
         raise
-    finally:
-        _state["deferred"] -= 1
-        _restore(before)
-
-
-def _restore(handlers: dict) -> None:
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def raise_if_requested() -> None:
@@ -79,4 +91,4 @@ def kept_items() -> list[str]:
 
 
 def reset() -> None:
-    _state.update(signum=0, deferred=0, kept=[])
+    _state.update(signum=0, kept=[])

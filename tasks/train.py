@@ -330,8 +330,9 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
 
                 out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
             else:
-                with interrupt.deferred():  # a signal stops the loop at the end of its step (checkpoint kept)
-                    out = train_lora(cfg, plan, store, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
+                # a signal stops the loop at the end of its step (checkpoint kept), then is raised again
+                out = interrupt.until_safe_point(train_lora, cfg, plan, store, latent_keys, text_keys, Path(tmp),
+                                                 trajectory, log_dir)
             canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
             store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
         resumed = out["continued_from_step"] or None
