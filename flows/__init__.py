@@ -8,3 +8,11 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "loraflow")
 # which these machines cannot); a longer statement timeout rides out busy moments.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")
+
+# Quiet by default: transformers' and diffusers' warnings a loraflow user cannot act on (torchvision
+# fallbacks, "No LoRA keys associated to ...") and their loading/saving progress bars. LORAFLOW_VERBOSE=1
+# brings them back.
+if os.environ.get("LORAFLOW_VERBOSE", "0") in ("", "0"):
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -46,3 +46,16 @@ def publish_artifacts(report: dict, report_path: Path) -> None:
                                  link_text="sample grid")
     except Exception as e:  # noqa: BLE001 -- a view of the run must not fail the run
         log.warning("could not publish Prefect artifacts: %s", e)
+
+
+def sample_point_artifact(step: int, paths: list[str]) -> None:
+    """The samples of one point during training, as they are rendered: one version of the artifact
+    `loraflow-training-samples` per sample point (the UI lists them under the flow run)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import TaskRunContext
+
+    if TaskRunContext.get() is None:  # not inside the train task (a test calling the node directly)
+        return
+    lines = [f"## Samples at training step {step}", "", *[f"- [{Path(p).name}]({Path(p).as_uri()})" for p in paths]]
+    create_markdown_artifact(key="loraflow-training-samples", markdown="\n".join(lines),
+                             description=f"samples at step {step}, {Path(paths[0]).parent}")

@@ -10,6 +10,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.artifacts import sample_point_artifact
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.hashing import key_of
 from tasks.remote_store import open_store
@@ -40,9 +41,10 @@ def cache_text_task(key: str, cfg: dict, plan: dict) -> dict:
 
 
 @task(name="train", **_cached)
-def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, log_dir: str | None = None) -> dict:
-    # log_dir (this run's TensorBoard folder) is not part of the key: where the curve goes changes no artifact.
-    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys, log_dir and Path(log_dir))
+def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, run_dir: str | None = None) -> dict:
+    # run_dir (where TensorBoard logs and live samples go) is not part of the key: it changes no artifact.
+    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys, run_dir and Path(run_dir),
+                     on_samples=[sample_point_artifact])
 
 
 @task(name="sample", **_cached)

@@ -73,7 +73,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan)
     texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan)
     lora = _run(train_task, store, key=train.key_of_node(cfg, plan, latents["items"], texts["items"]), cfg=cfg,
-                plan=plan, latent_keys=latents["items"], text_keys=texts["items"], log_dir=str(run_dir / "tensorboard"))
+                plan=plan, latent_keys=latents["items"], text_keys=texts["items"], run_dir=str(run_dir))
     samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,
                    plan=plan, lora_key=lora["key"], lora_file=lora["lora"], text_keys=texts["items"])
 
@@ -90,7 +90,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
-    log_nodes(report["nodes"])
+    log_nodes(report["nodes"], cfg)
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
     log.info("report:  %s", path)

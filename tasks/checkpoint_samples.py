@@ -5,10 +5,16 @@ sd-scripts crashes mid-training when the prompts file is edited (`'NoneType' obj
 'to'`). Here nothing in the file can stop training: a malformed line is skipped with a warning naming
 it, a new or edited prompt is encoded then (and stored, so the next run's cache_text reuses it), and any
 other failure at a sample point is a warning. The renders use their own seeded generator, so sampling
-never changes the training trajectory."""
+never changes the training trajectory.
+
+Each sample point's images are published as soon as they are rendered (users watch them to decide when to
+stop): copied to `<run dir>/samples/step_<k>/`, then handed to the `on_rendered` callbacks (TensorBoard
+images, a Prefect artifact)."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -51,9 +57,44 @@ def repair(store: Store, lora_kind: str, lora_key: str, trajectory: str, max_ste
     return True
 
 
+def publish_step(samples_dir: Path, step: int | str, entries: list[dict]) -> list[str]:
+    """Copies one sample point's images to `samples_dir/step_<k>/` under their prompt-line names. Each file
+    is written under a temporary name and renamed, so a watcher never opens half a PNG."""
+    folder = samples_dir / f"step_{int(step)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    published = []
+    for e in entries:
+        dst = folder / f"{e['line']:03d}_{sample.slug(e['prompt'])}.png"
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        shutil.copyfile(e["path"], tmp)
+        os.replace(tmp, dst)
+        published.append(str(dst))
+    return published
+
+
+def to_tensorboard(accelerator) -> Callable[[int, list[str]], None]:
+    """A callback that adds a sample point's images to the run's TensorBoard (when it has one)."""
+    def add_images(step: int, paths: list[str]) -> None:
+        import numpy as np
+        from PIL import Image
+
+        for tracker in accelerator.trackers:
+            if tracker.name == "tensorboard":
+                for path in paths:
+                    with Image.open(path) as image:
+                        tracker.writer.add_image(f"samples/{Path(path).stem}", np.asarray(image.convert("RGB")),
+                                                 step, dataformats="HWC")
+                tracker.writer.flush()
+    return add_images
+
+
 class CheckpointSampler:
-    def __init__(self, cfg: dict, plan: dict, store: Store, adapter):
+    def __init__(self, cfg: dict, plan: dict, store: Store, adapter, samples_dir: Path | None = None,
+                 on_rendered: list[Callable[[int, list[str]], None]] | None = None):
+        """`samples_dir`: the run's samples folder, filled as each point is rendered; `on_rendered`:
+        called with (step, published paths) after that (failures are warnings)."""
         self.cfg, self.plan, self.store, self.adapter = cfg, plan, store, adapter
+        self.samples_dir, self.on_rendered = samples_dir, list(on_rendered or [])
         self.every = int(cfg["sample"]["every_n_steps"])
         self.prompts_file = cfg["sample"]["prompts_file"]
         self.rendered: dict[str, list[dict]] = {}  # step -> [{"line", "prompt", "path"}]
@@ -72,8 +113,24 @@ class CheckpointSampler:
         finally:
             denoiser.train()
         self.rendered[str(step)] = entries
+        self._publish(step, entries)
         for hook in AFTER_SAMPLE_POINT:
             hook(step, entries)
+
+    def _publish(self, step: int, entries: list[dict]) -> None:
+        if self.samples_dir is None or not entries:
+            return
+        try:
+            paths = publish_step(self.samples_dir, step, entries)
+        except OSError as e:  # a full or read-only run folder: the samples stay in the store
+            self._warn(step, f"could not copy the samples to {self.samples_dir}: {e}")
+            return
+        log.info("sample at step %d: %s", step, paths[0] if len(paths) == 1 else Path(paths[0]).parent)
+        for callback in self.on_rendered:
+            try:
+                callback(step, paths)
+            except Exception as e:  # noqa: BLE001 -- a view of the samples must not stop training
+                self._warn(step, f"could not publish the samples ({type(e).__name__}: {e})")
 
     def _warn(self, step: int, message: str) -> None:
         self.warnings.append(f"step {step}: {message}")

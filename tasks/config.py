@@ -6,7 +6,8 @@ a misspelt key or a wrong type fails at composition, before any work, with the f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import MISSING as MISSING_FIELD, dataclass, field, fields, is_dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -179,6 +180,7 @@ def compose(config_name: str = "train", overrides: List[str] | None = None) -> t
     from hydra.core.global_hydra import GlobalHydra
 
     overrides = list(overrides or [])
+    check_known_keys(overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     from hydra.errors import HydraException, OverrideParseException
@@ -198,6 +200,46 @@ def compose(config_name: str = "train", overrides: List[str] | None = None) -> t
     with _unlocked(cfg):
         del cfg["hydra"]
     return cfg, run_dir
+
+
+def known_keys(node=RootConfig, prefix: str = "") -> tuple[set[str], set[str]]:
+    """Every setting of the schema as a dotted key, and the free-form sections (Dict fields such as
+    model.arch) under which any key is accepted."""
+    keys, open_sections = set(), set()
+    for f in fields(node):
+        key = f"{prefix}{f.name}"
+        if is_dataclass(f.default_factory() if f.default_factory is not MISSING_FIELD else f.default):
+            sub_keys, sub_open = known_keys(f.default_factory(), key + ".")
+            keys |= sub_keys | {key}
+            open_sections |= sub_open
+        else:
+            keys.add(key)
+            if getattr(f.type, "__origin__", None) is dict or str(f.type).startswith(("Dict", "typing.Dict")):
+                open_sections.add(key)
+    return keys, open_sections
+
+
+def check_known_keys(overrides: List[str]) -> None:
+    """A key the schema does not know, with or without Hydra's `+`, is refused naming the nearest key:
+    Hydra would suggest `+key=`, which adds the misspelt key and trains as if it were not there."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return  # a syntax error: compose() names the override
+    keys, open_sections = known_keys()
+    for o in parsed:
+        key = o.key_or_group
+        if o.package is not None or "/" in key or key.split(".")[0] == "hydra" or key in keys:
+            continue
+        if any(key.startswith(section + ".") for section in open_sections):
+            continue
+        near = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise ConfigError(f"{key} is not a loraflow setting{hint} (every key and its default: "
+                          "python -m flows.train --cfg job)")
 
 
 def _config_error(e: OmegaConfBaseException) -> ConfigError:

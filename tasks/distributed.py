@@ -39,12 +39,12 @@ def launch_command(job_file: Path, num_processes: int, mixed_precision: str) -> 
 
 
 def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
-                    log_dir: Path | None) -> dict:
+                    run_dir: Path | None) -> dict:
     """Train under `accelerate launch` with cfg.train.num_processes processes; returns what
     train.train_lora returns on the main process."""
     n = int(cfg["train"]["num_processes"])
     job = {"cfg": cfg, "plan": plan, "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
-           "trajectory": trajectory, "log_dir": str(log_dir) if log_dir else None}
+           "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
     from tasks.train_setup import precision
@@ -86,7 +86,7 @@ def _worker(job_file: str) -> None:
     store = open_store(job["cfg"]["store"])
     out_dir = Path(job["out_dir"])
     out = train.train_lora(job["cfg"], job["plan"], store, job["latent_keys"], job["text_keys"], out_dir,
-                           job["trajectory"], Path(job["log_dir"]) if job["log_dir"] else None)
+                           job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
     if out is not None:  # the main process
         tmp = out_dir / f".{RESULT}.tmp"
         tmp.write_text(json.dumps({**out, "lora": str(out["lora"])}))

@@ -168,11 +168,11 @@ def fitting_settings(cfg: dict, budget_gb: float, estimate_fn) -> list[str]:
     for r in open_:
         gb = estimate_fn(with_changes([r]))["total_gb"]
         if gb <= budget_gb:
-            fits.append(f"{r[0]} ({gb:.1f} GB)")
+            fits.append(f"{r[0]} ({gb:.1f} GiB)")
     if not fits and open_:
         together = estimate_fn(with_changes(open_))["total_gb"]
         if together <= budget_gb:
-            fits.append(" + ".join(r[0] for r in open_) + f" together ({together:.1f} GB)")
+            fits.append(" + ".join(r[0] for r in open_) + f" together ({together:.1f} GiB)")
     return fits
 
 
@@ -198,7 +198,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
                                                                "train.batch_size=1 fits: use a smaller data.resolution or a "
                                                                "bigger device")
         raise ConfigError(
-            f"training will not fit in memory: about {est['total_gb']:.1f} GB needed (weights {est['weights_gb']:.1f}, "
+            f"training will not fit in memory: about {est['total_gb']:.1f} GiB needed (weights {est['weights_gb']:.1f}, "
             f"LoRA + optimizer {est['lora_and_optimizer_gb']:.2f}, activations {est['activations_gb']:.1f} at "
-            f"{size[0]}x{size[1]}, batch {cfg['train']['batch_size']}) > {budget:.1f} GB ({source}); {hint}")
+            f"{size[0]}x{size[1]}, batch {cfg['train']['batch_size']}) > {budget:.1f} GiB ({source}); {hint}")
     return est

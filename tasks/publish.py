@@ -11,6 +11,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tasks import export
+from tasks.checkpoint_samples import publish_step
 from tasks.hashing import key_of
 from tasks.sample import make_grid, slug
 from tasks.store import Store
@@ -76,14 +77,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
 
 
 def _checkpoint_samples(out: Path, rendered: dict[str, list[dict]]) -> dict[str, list[str]]:
-    """Samples rendered during training, copied to samples/step_<k>/."""
-    published = {}
-    for step, entries in sorted(rendered.items(), key=lambda kv: int(kv[0])):
-        folder = out / f"step_{int(step)}"
-        folder.mkdir(exist_ok=True)
-        published[step] = []
-        for e in entries:
-            dst = folder / f"{e['line']:03d}_{slug(e['prompt'])}.png"
-            shutil.copyfile(e["path"], dst)
-            published[step].append(str(dst))
-    return published
+    """Samples rendered during training, in samples/step_<k>/ (copied there as they were rendered; again
+    here for steps restored from a checkpoint and for a cached train node)."""
+    return {step: publish_step(out, step, entries)
+            for step, entries in sorted(rendered.items(), key=lambda kv: int(kv[0]))}

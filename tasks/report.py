@@ -17,6 +17,23 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {})}
 
 
+def readable_changes(changed: list[str], prompts_file: str, caption_extension: str = ".txt", limit: int = 6) -> str:
+    """The `changed` names of a node for a person: the caption, image or prompt line that was edited."""
+    def one(name: str) -> str:
+        kind, _, rest = name.partition(":")
+        if kind == "caption":
+            image = Path(rest.split(":")[0])  # an augmentation variant counts as its caption
+            return f"caption {image.with_name(image.stem + caption_extension)}"
+        if kind in ("image", "item"):
+            return f"{'image' if kind == 'image' else 'image or caption'} {rest}"
+        if kind in ("prompt", "negative"):
+            return f"{'negative of ' if kind == 'negative' else ''}{Path(prompts_file).name} line {rest}"
+        return name
+    readable = list(dict.fromkeys(one(n) for n in changed))
+    more = f" and {len(readable) - limit} more (report.json lists them)" if len(readable) > limit else ""
+    return ", ".join(readable[:limit]) + more
+
+
 def write_report(run_dir: Path, report: dict) -> Path:
     path = run_dir / "report.json"
     tmp = run_dir / f".report.json.{os.getpid()}"

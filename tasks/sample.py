@@ -31,17 +31,23 @@ def settings(cfg: dict, plan: dict, prompt: dict) -> dict:
             "generator_device": sc["generator_device"]}
 
 
-def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
-    base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"], "lora": lora_key,
+def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str, dict]:
+    """What each prompt's image depends on besides the LoRA (its settings, texts and the sampler)."""
+    base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"],
             "dtype": cfg["model"]["dtype"], "family": plan["family"], **runtime()}
-    return {f"prompt:{p['line']}": key_of({**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
-                                           "negative": text_keys.get(f"negative:{p['line']}"),
-                                           "empty": text_keys["empty"]})
+    return {f"prompt:{p['line']}": {**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
+                                    "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys["empty"]}
             for p in plan["prompts"]}
 
 
+def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
+    return {name: key_of({**inputs, "lora": lora_key}) for name, inputs in prompt_inputs(cfg, plan, text_keys).items()}
+
+
 def inputs(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict:
-    return {"node": "sample", "code": CODE_VERSION, "lora": lora_key, **item_keys(cfg, plan, lora_key, text_keys)}
+    # per prompt without the LoRA: a new LoRA is reported as `lora` alone, not as every prompt too
+    return {"node": "sample", "code": CODE_VERSION, "lora": lora_key,
+            **{name: key_of(i) for name, i in prompt_inputs(cfg, plan, text_keys).items()}}
 
 
 def slug(text: str) -> str:

@@ -17,7 +17,7 @@ from peft.utils import get_peft_model_state_dict
 from tqdm.auto import tqdm
 
 from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt
-from tasks.checkpoint_samples import CheckpointSampler
+from tasks.checkpoint_samples import CheckpointSampler, to_tensorboard
 from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
 from tasks.checkpoints import save_checkpoint as _save_checkpoint
@@ -179,11 +179,13 @@ def _duration(seconds: float) -> str:
 
 
 def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
-               trajectory: str, log_dir: Path | None = None) -> dict:
+               trajectory: str, run_dir: Path | None = None, on_samples: list | None = None) -> dict:
     """The training loop, top to bottom. Runs as one process or as each of `train.num_processes` (data
     parallel: every step's batch is split across processes, gradients summed with the loss weights of
     `my_share`). Returns the LoRA file, per-step losses, the step it continued from, and the samples
-    rendered during training (the main process's view; the others return None)."""
+    rendered during training (the main process's view; the others return None). `run_dir`: TensorBoard
+    logs go to its tensorboard/, samples rendered during training to its samples/step_<k>/ as they are
+    made; `on_samples`: more callbacks (step, paths) for them (the flow's Prefect artifact)."""
     tc = cfg["train"]
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
@@ -192,7 +194,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     seed = int(tc["seed"])
     seed_everything(seed)
-    accelerator = make_accelerator(precision(cfg), log_dir if tc["log_with"] == "tensorboard" else None)
+    tensorboard = run_dir / "tensorboard" if run_dir and tc["log_with"] == "tensorboard" else None
+    accelerator = make_accelerator(precision(cfg), tensorboard)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     denoiser, named = prepare_denoiser(adapter, cfg)
     params = list(named.values())
@@ -202,7 +205,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
 
-    sampler = CheckpointSampler(cfg, plan, store, adapter)
+    sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,
+                                [to_tensorboard(accelerator), *(on_samples or [])])
     step_losses, start = [], 0
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
@@ -227,7 +231,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     groups = buckets_of(latents.shapes)
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
-                 ", ".join(f"{latents.shapes[g[0]][-2:]}: {len(g)}" for g in groups))
+                 ", ".join("{}x{}: {}".format(*plan["items"][g[0]].get("size", plan["size"]), len(g)) for g in groups))
     accum = tc["gradient_accumulation_steps"]
 
     def load_step(micro: int) -> _Batch:  # with CUDA: one micro-batch ahead, in a thread (prefetch)
@@ -311,10 +315,12 @@ def _sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
         p.grad.copy_(g.view_as(p.grad))
 
 
-def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, log_dir: Path | None = None) -> dict:
+def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
+        on_samples: list | None = None) -> dict:
     """The train node: the stored LoRA for this key, or a new one trained in this process or, with
-    `train.num_processes` > 1, under `accelerate launch` (tasks/distributed.py). `log_dir` receives the
-    TensorBoard logs of the steps trained in this run."""
+    `train.num_processes` > 1, under `accelerate launch` (tasks/distributed.py). `run_dir` receives the
+    TensorBoard logs of the steps trained in this run and the samples rendered during training, as they
+    are rendered; `on_samples` (in this process only) is told of each sample point."""
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
     key = key_of(node_inputs)
     status = check_items(store, KIND, [key])
@@ -328,11 +334,11 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
             if cfg["train"]["num_processes"] > 1:
                 from tasks.distributed import launch_training
 
-                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, log_dir)
+                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir)
             else:
                 # a signal stops the loop at the end of its step (checkpoint kept), then is raised again
                 out = interrupt.until_safe_point(train_lora, cfg, plan, store, latent_keys, text_keys, Path(tmp),
-                                                 trajectory, log_dir)
+                                                 trajectory, run_dir, on_samples)
             canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
             store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
         resumed = out["continued_from_step"] or None

@@ -224,7 +224,7 @@ def run(cfg: dict, store: Store) -> dict:
     adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
     estimate = memory.preflight(cfg, adapter, size)
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
-    log.info("validate: memory estimate %.2f GB, budget %s GB (%s)", estimate["total_gb"],
+    log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
     plan_items = [{"name": it.name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
                    "caption": it.caption} for it in items]

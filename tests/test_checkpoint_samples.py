@@ -56,3 +56,35 @@ def test_sampling_does_not_change_training(workspace):
     assert sampled["nodes"]["train"]["status"] == "ran"
     assert sampled["loss"] == plain["loss"]
     assert Path(sampled["artifacts"]["lora"]).read_bytes() == Path(plain["artifacts"]["lora"]).read_bytes()
+
+
+def test_samples_are_published_as_they_are_rendered(workspace, after_sample_point):
+    """While training goes on (at the sample point, before the next step): the images are in
+    <run dir>/samples/step_<k>/, in TensorBoard as images, and a Prefect artifact of the flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = workspace.root / f"run{workspace.runs + 1}"
+    seen = {}
+
+    def look(step, entries):
+        folder = run_dir / "samples" / f"step_{step}"
+        seen[step] = {"files": sorted(p.name for p in folder.glob("*.png")), "report": (run_dir / "report.json").exists()}
+        folders = {f.parent for f in (run_dir / "tensorboard").rglob("events.out.tfevents.*")}
+        events = EventAccumulator(str(min(folders)), size_guidance={"images": 0})  # accelerate's run folder
+        events.Reload()
+        seen[step]["tensorboard"] = sorted({(t, e.step) for t in events.Tags()["images"] for e in events.Images(t)})
+        with get_client(sync_client=True) as client:
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["loraflow-training-samples"])))
+        seen[step]["artifacts"] = [a.description for a in arts]
+
+    after_sample_point.append(look)
+    r = workspace.run("sample.every_n_steps=4")  # 12 steps: sample points 4, 8, 12
+    assert sorted(seen) == [4, 8, 12]
+    for step, s in seen.items():
+        assert len(s["files"]) == 3 and not s["report"], s  # rendered, training not finished
+        assert {(f"samples/{Path(f).stem}", step) for f in s["files"]} <= set(s["tensorboard"]), s
+        assert f"samples at step {step}, {run_dir / 'samples' / f'step_{step}'}" in s["artifacts"], s
+    # the report lists the same files
+    assert sorted(Path(p).name for p in r["artifacts"]["checkpoint_samples"]["8"]) == seen[8]["files"]

@@ -11,6 +11,13 @@ from typing import Any
 import torch
 from PIL import Image
 
+if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
+    # transformers and huggingface_hub honour it; diffusers' "Loading pipeline components" bar does not
+    from diffusers.utils import logging as _diffusers_logging
+
+    _diffusers_logging.disable_progress_bar()
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # follows the hub cache's symlinks; no second copy of multi-GB encoders
