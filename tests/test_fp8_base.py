@@ -191,3 +191,28 @@ def test_every_family_trains_on_an_fp8_base_through_the_cli(family, tmp_path):
     assert report["nodes"]["train"]["status"] == "ran" and len(report["loss"]) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in report["loss"])
     assert report["artifacts"]["samples"]
+
+
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="not an x86 CPU")
+def test_gradients_hold_on_an_avx2_only_cpu():
+    """Machines differ: main's suite once failed only on an AVX2-only AMD CPU (fp8 storage reaching a conv's
+    backward). torch's and oneDNN's kernels are chosen by CPU features, so the same tests run again here with
+    the AVX2 kernels forced (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA); on the old layerwise-casting base
+    this reproduced that failure on an AVX-512/AMX Intel CPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **AVX2_ONLY, "HF_HUB_OFFLINE": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "AVX2", probe.stdout
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "upcast_copy or keeps_embeddings",
+                           str(REPO / "tests" / "test_fp8_base.py"),
+                           str(REPO / "tests" / "test_memory.py") + "::test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
