@@ -1,5 +1,6 @@
 """Training checkpoints in the store: LoRA weights, AdamW state and the torch RNG state as safetensors (no
-pickle), the losses so far and the samples rendered so far as JSON metadata.
+pickle), the losses so far, the samples rendered so far and the fp16 loss scaler's state (its scale and
+growth tracker: without them a resumed fp16 run starts again from the initial scale) as JSON metadata.
 
 A checkpoint is keyed by the training *trajectory* (every input that shapes steps 1..k, tasks/train.py)
 and its step, so a run whose max_steps grew, or one that was killed, continues from the latest one."""
@@ -35,17 +36,20 @@ def latest_checkpoint(store: Store, trajectory: str, max_steps: int, discard: bo
 
 
 def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, step_losses: list[float],
-                    samples: dict) -> None:
+                    samples: dict, scaler=None) -> None:
     tensors = {"rng/torch": torch.get_rng_state()}
     for name, p in named.items():
         tensors[f"lora/{name}"] = p.detach().clone()
         for k, v in optimizer.state.get(p, {}).items():
             tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
-    store.put_tensors(KIND, key, tensors, meta={"step": step, "losses": step_losses, "samples": samples})
+    meta = {"step": step, "losses": step_losses, "samples": samples}
+    if scaler is not None and scaler.is_enabled():
+        meta["loss_scaler"] = scaler.state_dict()  # plain numbers: scale, growth factors, tracker
+    store.put_tensors(KIND, key, tensors, meta=meta)
 
 
-def load_checkpoint(store: Store, key: str, named: dict, optimizer) -> dict:
-    """Restores the LoRA weights, optimizer state and RNG state in place; returns the metadata."""
+def load_checkpoint(store: Store, key: str, named: dict, optimizer, scaler=None) -> dict:
+    """Restores the LoRA weights, optimizer state, RNG state and loss scaler in place; returns the metadata."""
     tensors = store.get_tensors(KIND, key)
     with torch.no_grad():
         for name, p in named.items():
@@ -56,4 +60,7 @@ def load_checkpoint(store: Store, key: str, named: dict, optimizer) -> dict:
             if state:
                 optimizer.state[p] = state
     torch.set_rng_state(tensors["rng/torch"])
-    return store.meta(KIND, key)
+    meta = store.meta(KIND, key)
+    if scaler is not None and scaler.is_enabled() and meta.get("loss_scaler"):
+        scaler.load_state_dict(meta["loss_scaler"])
+    return meta

@@ -211,7 +211,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
-        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer)
+        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, accelerator.scaler)
         step_losses = list(restored["losses"])
         sampler.rendered = {k: v for k, v in restored.get("samples", {}).items() if sampler.due(int(k))}
         with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
@@ -289,7 +289,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         every, stop = tc["save_every_n_steps"], interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
         if ((every and step % every == 0) or step == tc["max_steps"] or stop) and main:
             _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, step_losses,
-                             sampler.rendered)
+                             sampler.rendered, accelerator.scaler)
         if stop:
             interrupt.kept(f"a checkpoint of train step {step}/{tc['max_steps']}")
             raise interrupt.Interrupted(stop)

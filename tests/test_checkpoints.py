@@ -68,3 +68,26 @@ def test_save_every_n_steps_stores_checkpoints(workspace, count_steps):
     never = workspace.run("train.max_steps=5", "train.save_every_n_steps=2", "train.seed=7", "train.resume=never",
                           "train.lr=1e-3")
     assert "continued_from_step" not in never["nodes"]["train"] and len(count_steps) == 12
+
+
+def test_the_fp16_loss_scaler_is_checkpointed(tmp_path):
+    """fp16 training (loss scaling): a resumed run continues with the scale and growth tracker it had,
+    not the initial scale (the scaler's state is JSON metadata of the checkpoint, no pickle)."""
+    import torch
+
+    from tasks.checkpoints import load_checkpoint, save_checkpoint
+    from tasks.store import Store
+
+    store = Store(tmp_path / "store")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=7)
+    scaler.scale(torch.ones(()))  # the scale exists once a loss was scaled
+    scaler.update(new_scale=256.0)  # as after overflows
+    scaler._growth_tracker.fill_(3)
+    save_checkpoint(store, "k", 5, {"p": p}, opt, [0.5], {}, scaler)
+
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=7)
+    meta = load_checkpoint(store, "k", {"p": p}, opt, fresh)
+    assert meta["loss_scaler"]["scale"] == 256.0
+    assert fresh.get_scale() == 256.0 and fresh._get_growth_tracker() == 3
