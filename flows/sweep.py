@@ -5,7 +5,8 @@ Registered in conf/train.yaml under `hydra.callbacks`. After the last member it 
 sample grid, report path and each node's status and counts (the caches shared across members show as
 `computed 0` from the second member on).
 
-Members run one after another in one process with Hydra's basic launcher. A parallel launcher
+Members run one after another in one process with Hydra's basic launcher, or as runs of a deployment
+with `hydra/launcher=prefect` (hydra_plugins/loraflow_prefect_launcher). A parallel launcher
 (hydra-joblib-launcher: `hydra/launcher=joblib`) runs them in worker processes; those must share one
 Prefect API, because each process would otherwise start its own ephemeral API on the same SQLite file:
 start `prefect server start` and export `PREFECT_API_URL=http://127.0.0.1:4200/api` first.
@@ -17,6 +18,7 @@ with that error, and `python -m flows.train -m` then exits 1 with one line (`fai
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("loraflow")
 ERROR_FILE = "error.txt"  # <member dir>/error.txt: why a member failed (one message), for the summary
+FLOW_RUN_FILE = "flow_run.json"  # <member dir>/flow_run.json: {flow_run_id, state} (hydra/launcher=prefect)
 failed_members: list[dict] = []  # set by SweepSummary.on_multirun_end: the sweep's failed members
 summary_path: Path | None = None  # ... and its summary.md
 NODES = ("validate", "cache_latents", "cache_text", "train", "sample")  # as tasks.report.NODES (kept light)
@@ -67,6 +70,10 @@ def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str],
         report = json.loads(report_path.read_text())
     except (FileNotFoundError, ValueError):
         report = None
+    flow_run = out_dir / FLOW_RUN_FILE  # hydra/launcher=prefect: the member's deployment run
+    if flow_run.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            entry.update({k: v for k, v in json.loads(flow_run.read_text()).items() if k in ("flow_run_id", "state")})
     error_file = out_dir / ERROR_FILE
     if error_file.is_file():  # the member's own record of its failure (any launcher)
         status, error = "failed", error or error_file.read_text().strip()
@@ -137,6 +144,8 @@ def to_markdown(summary: dict) -> str:
              "|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
     for m in summary["members"]:
         shown = " ".join(f"`{o}`" for o in (m["swept"] or m["overrides"])) or "-"
+        if m.get("flow_run_id"):
+            shown += f" (flow run `{m['flow_run_id']}`, {m.get('state', '?')})"
         if m["status"] == "failed":
             lines.append(f"| {m['member']} | {shown} | failed: {_one_line(m.get('error', '')).replace('|', '/')} | | | |" + " |" * (len(NODES) - 1))
             continue

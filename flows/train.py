@@ -113,6 +113,8 @@ def _stop_on_bad_config() -> None:
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args()
+    if args.multirun and "hydra/launcher=prefect" in args.overrides:  # no server or deployment: one line
+        _stop_unless_launcher_ready(args.overrides)
     if any((args.multirun, args.cfg, args.help, args.hydra_help, args.info, args.shell_completion, args.config_path,
             args.config_dir, args.experimental_rerun, args.package, args.resolve)):
         return
@@ -120,6 +122,15 @@ def _stop_on_bad_config() -> None:
         check_config_only(args.config_name or "train", args.overrides)
     except ConfigError as e:
         print(f"loraflow: stopped before training: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _stop_unless_launcher_ready(overrides: list[str]) -> None:
+    from hydra_plugins.loraflow_prefect_launcher.prefect_launcher import why_not_ready
+
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.launcher.deployment=")]
+    if problem := why_not_ready(named[-1] if named else "loraflow/train"):
+        print(f"loraflow: sweep not started: {problem}", file=sys.stderr)
         sys.exit(2)
 
 
