@@ -123,3 +123,13 @@ def test_min_snr_trains_an_epsilon_family(tmp_path):
     snr = _train(store, "model=tiny_sd15", "train.min_snr_gamma=5", "train.noise_offset=0.05")
     assert snr["key"] != plain["key"] and math.isfinite(snr["losses"][-1]["loss"])
     assert open(snr["lora"], "rb").read() != open(plain["lora"], "rb").read()
+
+
+def test_resume_is_exact_with_the_options_and_dora(tmp_path):
+    opts = ("train.noise_offset=0.1", "train.loss=huber", "train.network=dora", "export.format=diffusers",
+            "train.rslora=true")
+    straight = _train(tmp_path / "a", "train.max_steps=4", *opts)
+    _train(tmp_path / "b", "train.max_steps=2", *opts)
+    continued = _train(tmp_path / "b", "train.max_steps=4", *opts)
+    assert continued["continued_from_step"] == 2
+    assert open(straight["lora"], "rb").read() == open(continued["lora"], "rb").read()
