@@ -88,6 +88,15 @@ class TrainConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     guidance: float = 1.0  # Flux-dev's distilled guidance value fed while training
+    # Loss options (tasks/models/losses.py), sd-scripts' meanings: noise + noise_offset * randn(b, c, 1, 1);
+    # l2 | huber (pseudo-Huber, constant huber_c); min-SNR-gamma weights (SD1.5/SDXL only; null: off)
+    noise_offset: float = 0.0
+    loss: str = "l2"
+    huber_c: float = 0.1
+    min_snr_gamma: Optional[float] = None
+    # peft adapter: lora | dora (LoraConfig(use_dora=True)) | loha | lokr; rslora: scale alpha/sqrt(rank)
+    network: str = "lora"
+    rslora: bool = False
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False

@@ -30,6 +30,8 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
     key = key_of({"lora": lora["key"], "format": "kohya", "code": export.CODE_VERSION})
     if not store.valid(KOHYA_KIND, key):
         alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+        if tc.get("rslora"):  # kohya loaders scale by alpha / rank: the alpha that gives rslora's alpha / sqrt(rank)
+            alpha = alpha * tc["rank"] ** 0.5
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
         config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
         metadata = export.kohya_metadata(

@@ -17,6 +17,9 @@ _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_ste
 # Settings that change nothing the node stores (where the loss curve is logged).
 _NOT_KEY = ("log_with",)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
+# Settings added since keys were first stored, with the default at which they change nothing.
+_DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
+             ("min_snr_gamma", None), ("network", "lora"), ("rslora", False))
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
@@ -38,7 +41,8 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
 def _unused(tc: dict) -> set[str]:
     """Settings added since keys were first stored, left out of the key while they have no effect (at their
     default), so every earlier LoRA keeps its key."""
-    out = {k for k, default in (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma")) if tc.get(k) == default}
+    out = {k for k, default in _DEFAULTS if tc.get(k) == default}
+    out |= {"huber_c"} if tc.get("loss") != "huber" else set()
     return out | ({"discrete_flow_shift"} if tc.get("timestep_sampling") != "shift" else set())
 
 

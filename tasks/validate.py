@@ -26,7 +26,8 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
-            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift")}
+            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("train", "loss"): ("l2", "huber"),
+            ("train", "network"): ("lora", "dora", "loha", "lokr")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
              ("train", "discrete_flow_shift"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
@@ -80,6 +81,9 @@ def _check_ranges(cfg: dict) -> list[str]:
         # SD3's mode density keeps timesteps in [0, 1] only for scales in [-1, 2/(pi-2)]
         ("train", "mode_scale", lambda v: finite(v) and -1 <= v <= 2 / (math.pi - 2), "in [-1, 1.75]"),
         ("train", "guidance", lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("train", "noise_offset", lambda v: finite(v) and v >= 0, "a finite number >= 0 (0: off; sd-scripts uses ~0.05-0.1)"),
+        ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
+        ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
         ("data", "bucket_max_aspect", finite, "a finite number >= 1"),
         ("model", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
@@ -174,6 +178,7 @@ def config_errors(cfg: dict) -> list[str]:
     if cfg["train"]["timestep_sampling"] != "sigma" and not adapter_cls.flow_matching:
         errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
                       f"(Flux, SD3); {cfg['model']['family']} samples DDPM timesteps: use train.timestep_sampling=sigma")
+    errors += _loss_and_network_errors(cfg, adapter_cls)
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
         why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"
@@ -185,6 +190,30 @@ def config_errors(cfg: dict) -> list[str]:
             resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
         except ConfigError as e:
             errors.append(str(e))
+    return errors
+
+
+def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
+    tc, family, errors = cfg["train"], cfg["model"]["family"], []
+    if tc["min_snr_gamma"] is not None and adapter_cls.flow_matching:
+        # Min-SNR is defined on a DDPM schedule's SNR; sd-scripts and diffusers' Flux/SD3 trainers apply none
+        errors.append(f"train.min_snr_gamma={tc['min_snr_gamma']}: epsilon / v-prediction families only (SD1.5, "
+                      f"SDXL); {family} trains by flow matching: use train.weighting_scheme instead, or "
+                      "train.min_snr_gamma=null")
+    if tc["network"] in ("loha", "lokr"):
+        # peft trains them, but diffusers' load_lora_weights of these pipelines reads neither: the sample node
+        # and the exported file could not load the result
+        errors.append(f"train.network={tc['network']}: diffusers' load_lora_weights for the {family} pipeline reads "
+                      "no peft LoHa/LoKr file, so neither sampling nor the exported file would work; use "
+                      "train.network=lora or dora")
+    if tc["network"] == "dora" and cfg["export"]["format"] != "diffusers":
+        errors.append(f"train.network=dora with export.format={cfg['export']['format']}: the kohya file holds plain "
+                      "LoRA pairs only (no DoRA magnitude); set export.format=diffusers (read by diffusers' "
+                      "load_lora_weights)")
+    if tc["network"] == "dora" and cfg["model"]["storage_dtype"]:
+        # DoRA reads the base weight for its norm directly, past the fp8 base's autograd cast
+        errors.append(f"train.network=dora with model.storage_dtype={cfg['model']['storage_dtype']}: DoRA needs the "
+                      "base weights in the compute dtype; drop one of the two (model.storage_dtype=null)")
     return errors
 
 

@@ -193,6 +193,9 @@ SENSIBLE = {
     "train.lr_scheduler": _in("constant", "constant_with_warmup", "linear", "cosine"),
     "train.weighting_scheme": _in("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"),
     "train.mixed_precision": _in("no", "bf16", "fp16"), "train.resume": _in("auto", "never"),
+    "train.noise_offset": lambda v: _fin(v) and v >= 0, "train.huber_c": lambda v: _fin(v) and v > 0,
+    "train.loss": _in("l2", "huber"), "train.network": _in("lora", "dora"),  # loha/lokr: refused (no loader)
+    "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
     "model.family": _in("flux", "sd3", "sdxl", "sd15"), "model.seed": lambda v: 0 <= v < 2**64,
     "model.max_sequence_length": lambda v: 1 <= v <= 512,
@@ -210,7 +213,8 @@ SENSIBLE = {
 GOOD = ["train.lr=1e-4", "train.seed=4294967295", "train.alpha=null", "train.alpha=16", "train.mode_scale=-1",
         "train.memory_limit_gb=8", "train.max_grad_norm=0", "data.resolution=1024", "data.resolution_type=area", "data.resolution=16384",
         "data.caption_dropout_rate=1", "text.variants=1000", "sample.steps=1000", "sample.seed=18446744073709551615",
-        "sample.width=16384", "sample.cfg=0", "model.max_sequence_length=512", "model.seed=0", "export.format=kohya"]
+        "sample.width=16384", "sample.cfg=0", "model.max_sequence_length=512", "model.seed=0", "export.format=kohya",
+        "train.noise_offset=0.1", "train.loss=huber", "train.huber_c=0.5", "train.rslora=true"]
 VALUES = st.one_of(
     st.integers(-10**40, 10**40).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
@@ -267,6 +271,7 @@ def test_override_value_is_accepted_sensibly_or_rejected_naming_the_key(key, val
     "sample.cfg=nan", "sample.width=1000000000000000000000000000000", "data.resolution=inf", "data.resolution=1e30",
     "data.bucket_max_aspect=inf", "text.variants=1000000000000000000000000000000", "train.alpha=0",
     "train.mode_scale=100", "train.logit_std=-1", "train.memory_limit_gb=nan", "model.max_sequence_length=513",
+    "train.huber_c=0", "train.noise_offset=nan", "train.min_snr_gamma=5", "train.network=lokr",
     "hydra.run.dir=${nope}", "data.dir=???", "data.dir='a\x00b'", "model.path=" + "x" * 300,
 ])
 def test_found_defects_are_rejected_naming_the_key(override):

@@ -6,6 +6,8 @@ import math
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+from tasks.models.losses import flow_loss, offset_noise
+
 
 def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators: list[torch.Generator]):
     """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density. One generator per
@@ -27,12 +29,13 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
         sigmas = shifted_sigmas(u, mode, train_cfg.get("discrete_flow_shift", 3.0), latents.shape[-2:])
         timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
         sigmas = sigmas.to(latents.device, latents.dtype).view(b, 1, 1, 1)
+    noise = offset_noise(noise, train_cfg, generators)  # after the sigma draws: they stay as without it
     return (1.0 - sigmas) * latents + sigmas * noise, noise, timesteps, sigmas
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, weighting_scheme: str) -> torch.Tensor:
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme, sigmas)
-    return (weighting.float() * (pred.float() - target.float()) ** 2).reshape(pred.shape[0], -1).mean()
+def weighted_loss(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+    """The weighting scheme's per-sigma weights times train.loss (l2 or huber), averaged."""
+    return flow_loss(pred, target, compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas), train_cfg)
 
 
 def shifted_sigmas(u: torch.Tensor, mode: str, shift: float, latent_hw) -> torch.Tensor:

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_mse
+from tasks.models.flow_matching import noise_latents, weighted_loss
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -106,7 +106,7 @@ class FluxAdapter(FamilyAdapter):
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         vae_scale = self.size_multiple // 2
         pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
-        return weighted_mse(pred, noise - latents, sigmas, train_cfg["weighting_scheme"])  # velocity target
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,

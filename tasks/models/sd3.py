@@ -8,7 +8,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_mse
+from tasks.models.flow_matching import noise_latents, weighted_loss
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -84,7 +84,7 @@ class SD3Adapter(FamilyAdapter):
             pred, target = noisy - sigmas * pred, latents  # x0 estimate vs. x0
         else:
             target = noise - latents  # velocity from data to noise
-        return weighted_mse(pred, target, sigmas, train_cfg["weighting_scheme"])
+        return weighted_loss(pred, target, sigmas, train_cfg)
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         StableDiffusion3Pipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,

@@ -9,10 +9,10 @@ from abc import abstractmethod
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
 from tasks.models.base import FamilyAdapter
+from tasks.models.losses import ddpm_loss, offset_noise
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -107,6 +107,7 @@ class UNetAdapter(FamilyAdapter):
         noise = noise.to(latents.device)
         timesteps = torch.cat([torch.randint(0, scheduler.config.num_train_timesteps, (1,), generator=g)
                                for g in generators]).to(latents.device)
+        noise = offset_noise(noise, train_cfg, generators)  # after the timestep draws: they stay as without it
         noisy = scheduler.add_noise(latents, noise, timesteps)
         prediction_type = scheduler.config.prediction_type
         if prediction_type == "epsilon":
@@ -117,7 +118,7 @@ class UNetAdapter(FamilyAdapter):
             raise ValueError(f"unsupported prediction_type {prediction_type!r} in {self.model_dir}/scheduler")
         pred = unet(noisy, timesteps, encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),
                     added_cond_kwargs=self.added_cond_kwargs(text, latents), return_dict=False)[0]
-        return F.mse_loss(pred.float(), target.float(), reduction="mean")
+        return ddpm_loss(pred, target, train_cfg, scheduler, timesteps)
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         # Keys stay in PEFT layout (`unet.<module>.lora_A.weight`), which diffusers loads as is, rather than

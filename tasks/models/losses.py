@@ -1,0 +1,61 @@
+"""Loss options shared by every family's training_loss: noise offset, l2 or (pseudo-)Huber, min-SNR weighting.
+
+Meanings are sd-scripts' (library/train_util.py) and diffusers' (examples/text_to_image/train_text_to_image_lora.py,
+diffusers.training_utils.compute_snr). At their defaults (noise_offset 0, loss l2, min_snr_gamma None) every
+function returns exactly what the families computed before, bit for bit, so stored LoRAs keep their keys."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.training_utils import compute_snr
+
+
+def offset_noise(noise: torch.Tensor, train_cfg: dict, generators: list[torch.Generator]) -> torch.Tensor:
+    """sd-scripts' --noise_offset: noise + noise_offset * randn(b, c, 1, 1), one constant per item and channel.
+    Drawn from the item's generator after its other draws (CPU, like the noise), so the timesteps and noise of a
+    run without an offset are unchanged; no draw at all when the offset is 0."""
+    offset = float(train_cfg.get("noise_offset") or 0.0)
+    if not offset:
+        return noise
+    c = noise.shape[1]
+    shift = torch.stack([torch.randn((c, 1, 1), generator=g, dtype=noise.dtype) for g in generators])
+    return noise + offset * shift.to(noise.device)
+
+
+def elementwise(pred: torch.Tensor, target: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+    """Per-element loss in fp32. huber: sd-scripts' loss_type=huber (a pseudo-Huber loss) with its "constant"
+    huber_schedule, 2c(sqrt(d^2 + c^2) - c): ~d^2 for |d| << c, ~2c|d| beyond, so outliers pull linearly."""
+    diff = pred.float() - target.float()
+    if train_cfg.get("loss", "l2") == "huber":
+        c = float(train_cfg["huber_c"])
+        return 2 * c * (torch.sqrt(diff ** 2 + c ** 2) - c)
+    return diff ** 2
+
+
+def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Min-SNR-gamma weights (Hang et al. 2023) per item, as diffusers' train_text_to_image_lora.py: min(SNR, gamma)
+    divided by SNR for an epsilon target, by SNR + 1 for a v-prediction target."""
+    snr = compute_snr(scheduler, timesteps)
+    weights = torch.stack([snr, gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
+    prediction_type = scheduler.config.prediction_type
+    if prediction_type == "epsilon":
+        return weights / snr
+    if prediction_type == "v_prediction":
+        return weights / (snr + 1)
+    raise ValueError(f"train.min_snr_gamma: no min-SNR weighting for prediction_type {prediction_type!r}")
+
+
+def ddpm_loss(pred, target, train_cfg: dict, scheduler, timesteps) -> torch.Tensor:
+    """The epsilon / v-prediction families' mean loss (SD1.5, SDXL)."""
+    gamma = train_cfg.get("min_snr_gamma")
+    if train_cfg.get("loss", "l2") == "l2" and gamma is None:
+        return F.mse_loss(pred.float(), target.float(), reduction="mean")  # the examples' loss, unchanged
+    per_item = elementwise(pred, target, train_cfg).mean(dim=list(range(1, pred.ndim)))
+    if gamma is not None:
+        per_item = per_item * min_snr_weights(scheduler, timesteps, float(gamma)).to(per_item.device)
+    return per_item.mean()
+
+
+def flow_loss(pred, target, weighting: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+    """The flow-matching families' mean loss (Flux, SD3), weighted per item by the weighting scheme."""
+    return (weighting.float() * elementwise(pred, target, train_cfg)).reshape(pred.shape[0], -1).mean()
