@@ -109,6 +109,13 @@ class TrainConfig:
     # >1: the train node runs under `accelerate launch` with this many processes (data parallel; each
     # step's batch of train.batch_size is split across them). gloo on the CPU, one GPU each with CUDA.
     num_processes: int = 1
+    # Several machines (accelerate's multi-node): every machine runs the same command with its own
+    # machine_rank; num_processes is the total over all machines; machine 0 at main_process_ip:port leads.
+    # Machines other than 0 wait for machine 0 to store the LoRA: the store must be shared.
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: Optional[str] = None
+    main_process_port: Optional[int] = None
     log_with: str = "tensorboard"  # tensorboard: loss and lr in <run dir>/tensorboard | none
 
 

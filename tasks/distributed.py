@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -31,17 +32,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(job_file: Path, num_processes: int, mixed_precision: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-            "--num_processes", str(num_processes), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+def launch_command(job_file: Path, tc: dict, mixed_precision: str) -> list[str]:
+    """`accelerate launch` for this machine: one machine (a free local port), or machine `train.machine_rank`
+    of `train.num_machines`, all meeting machine 0 at train.main_process_ip:port."""
+    one = tc.get("num_machines", 1) == 1
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+            "--num_machines", str(tc.get("num_machines", 1)), "--machine_rank", str(tc.get("machine_rank", 0)),
+            "--num_processes", str(tc["num_processes"]), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+            "--main_process_ip", (tc.get("main_process_ip") or "127.0.0.1") if not one else "127.0.0.1",
+            "--main_process_port", str(tc.get("main_process_port") or _free_port()) if not one else str(_free_port()),
             "-m", "tasks.distributed", str(job_file)]
 
 
+def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: float = 1.0) -> None:
+    """On a machine other than 0: machine 0's main process stores the LoRA when training ends. Waits for it
+    (the store must be shared: a shared file system or an fsspec store.root)."""
+    deadline = time.monotonic() + timeout
+    while not store.valid(kind, key):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"train.machine_rank>0: machine 0 trained, but its LoRA ({kind}/{key}) did not "
+                               f"appear in the store within {timeout:.0f} s; is store.root shared with machine 0 "
+                               "(a shared file system or an fsspec URL)?")
+        time.sleep(poll)
+
+
 def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
-                    run_dir: Path | None) -> dict:
-    """Train under `accelerate launch` with cfg.train.num_processes processes; returns what
-    train.train_lora returns on the main process."""
+                    run_dir: Path | None) -> dict | None:
+    """Train under `accelerate launch` with cfg.train.num_processes processes (over train.num_machines);
+    returns what train.train_lora returns on the main process, None on a machine other than 0."""
     n = int(cfg["train"]["num_processes"])
     job = {"cfg": cfg, "plan": plan, "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
            "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
@@ -49,8 +67,10 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
     job_file.write_text(json.dumps(job))
     from tasks.train_setup import precision
 
-    cmd = launch_command(job_file, n, precision(cfg))
-    log.info("train: %d processes under accelerate launch", n)
+    tc = cfg["train"]
+    cmd = launch_command(job_file, tc, precision(cfg))
+    machines = f", machine {tc['machine_rank']} of {tc['num_machines']}" if tc.get("num_machines", 1) > 1 else ""
+    log.info("train: %d processes under accelerate launch%s", n, machines)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []  # the workers' exception lines (torchrun's own summary follows them)
@@ -72,6 +92,8 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
         cause = errors[-1] if errors else "see the lines below"  # the last: the outermost of a chain
         raise RuntimeError(f"train.num_processes={n}: the training processes failed (exit {code}): {cause}\n"
                            "their last lines:\n" + "\n".join(tail))
+    if not (out_dir / RESULT).is_file() and tc.get("machine_rank", 0) > 0:
+        return None  # machine 0's main process writes the LoRA
     result = json.loads((out_dir / RESULT).read_text())
     result["lora"] = Path(result["lora"])
     return result

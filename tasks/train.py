@@ -331,17 +331,20 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
     if status.missing:
         trajectory = trajectory_key(node_inputs, cfg["train"])
         with store.tmp_dir("train") as tmp:
-            if cfg["train"]["num_processes"] > 1:
-                from tasks.distributed import launch_training
+            if cfg["train"]["num_processes"] > 1 or cfg["train"]["num_machines"] > 1:
+                from tasks.distributed import launch_training, wait_for_lora
 
                 out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir)
+                if out is None:  # a machine other than 0: machine 0 stores the LoRA
+                    wait_for_lora(store, KIND, key)
             else:
                 # a signal stops the loop at the end of its step (checkpoint kept), then is raised again
                 out = interrupt.until_safe_point(train_lora, cfg, plan, store, latent_keys, text_keys, Path(tmp),
                                                  trajectory, run_dir, on_samples)
-            canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
-            store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
-        resumed = out["continued_from_step"] or None
+            if out is not None:
+                canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
+                store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
+        resumed = (out or {}).get("continued_from_step") or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
                        losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),

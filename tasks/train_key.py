@@ -15,11 +15,11 @@ FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key o
 # (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
 _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
 # Settings that change nothing the node stores (where the loss curve is logged).
-_NOT_KEY = ("log_with",)
+_NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port")  # (every machine: one key)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
-             ("min_snr_gamma", None), ("network", "lora"), ("rslora", False))
+             ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1))
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:

@@ -46,6 +46,7 @@ def check_config(cfg: dict) -> list[str]:
     if isinstance(n, int) and isinstance(batch, int) and n > max(batch, 1):
         errors.append(f"train.num_processes={n} with train.batch_size={batch}: each step's batch is split across "
                       f"the processes; use train.batch_size={n} or more, or fewer processes")
+    errors += _machine_errors(cfg["train"])
     if not cfg["data"]["bucket_max_aspect"] >= 1:
         errors.append(f"data.bucket_max_aspect={cfg['data']['bucket_max_aspect']!r}: must be at least 1 (e.g. 2.0)")
     for section, key in (("sample", "every_n_steps"), ("train", "save_every_n_steps")):
@@ -190,6 +191,22 @@ def config_errors(cfg: dict) -> list[str]:
             resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
         except ConfigError as e:
             errors.append(str(e))
+    return errors
+
+
+def _machine_errors(tc: dict) -> list[str]:
+    m, rank, n = tc["num_machines"], tc["machine_rank"], tc["num_processes"]
+    if not isinstance(m, int) or m < 1:
+        return [f"train.num_machines={m!r}: must be 1 or more"]
+    errors = []
+    if not isinstance(rank, int) or not 0 <= rank < m:
+        errors.append(f"train.machine_rank={rank!r}: must be in 0..{m - 1} (train.num_machines={m})")
+    if m > 1 and isinstance(n, int) and n % m:
+        errors.append(f"train.num_processes={n} with train.num_machines={m}: num_processes is the total over all "
+                      f"machines, a multiple of num_machines (e.g. train.num_processes={m * max(1, n // m)})")
+    if m > 1 and not (tc["main_process_ip"] and tc["main_process_port"]):
+        errors.append(f"train.num_machines={m}: set train.main_process_ip and train.main_process_port (machine 0's "
+                      "address, the same on every machine)")
     return errors
 
 
