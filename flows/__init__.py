@@ -16,3 +16,4 @@ if os.environ.get("LORAFLOW_VERBOSE", "0") in ("", "0"):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")  # runner=dask: the cluster's start/stop chatter

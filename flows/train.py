@@ -17,6 +17,7 @@ from prefect import flow
 from flows import auth, console, sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
+from flows.runner import fill_on_dask
 from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
 from tasks import cache_latents, cache_text, interrupt, sample, train, validate
 from tasks.checkpoint_samples import all_valid
@@ -70,8 +71,17 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                "seconds": time.perf_counter() - start}
     checked["key"] = key_of(checked["inputs"])
 
+    # runner=dask: the missing items are computed on the cluster first; the nodes then find them stored
+    workers = fill_on_dask(cfg, plan, store) if cfg["runner"]["name"] == "dask" else None
     latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan)
     texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan)
+    for node, result in (("cache_latents", latents), ("cache_text", texts)):  # report: who computed what
+        on_dask = workers[node] if workers else {"workers": {"local": result["computed"]}, "seconds": 0.0,
+                                                 "computed": result["computed"]}
+        computed = on_dask["computed"]
+        result.update(computed=computed, reused=result["computed"] + result["reused"] - computed,
+                      workers={w: n for w, n in on_dask["workers"].items() if n},
+                      seconds=result["seconds"] + on_dask["seconds"])
     lora = _run(train_task, store, key=train.key_of_node(cfg, plan, latents["items"], texts["items"]), cfg=cfg,
                 plan=plan, latent_keys=latents["items"], text_keys=texts["items"], run_dir=str(run_dir))
     samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,

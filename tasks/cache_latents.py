@@ -7,7 +7,7 @@ import torch
 
 from tasks.images import image_to_tensor_and_geometry, read_image
 from tasks.hashing import key_of
-from tasks.items import BackgroundWrites, check_items, chunks, node_result, prefetch, progress
+from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
 from tasks.models import adapter_class, make_adapter
 from tasks.config import ConfigError
 from tasks.runtime import runtime
@@ -54,14 +54,17 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
     return pixels, [g for _, g in done], [d for _, d in read]
 
 
-def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
+def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
+        models: dict | None = None) -> dict:
+    """`only`: compute just these item keys (a shard of the node's missing items, tasks/shards.py);
+    `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     keys = item_keys(cfg, plan)
-    status = check_items(store, KIND, keys.values())
+    status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     if status.missing:
         todo = [it for it in plan["items"] if keys[it["name"]] in set(status.missing)]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
-        vae = adapter.load_vae()
+        vae = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_vae)
         batches = list(chunks(todo, batch_size))
         pixels_of = lambda batch: _pixels(batch, plan["size"])  # noqa: E731
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would

@@ -5,7 +5,7 @@ import logging
 
 from tasks import augment
 from tasks.hashing import digest_text, key_of
-from tasks.items import BackgroundWrites, check_items, chunks, node_result, progress
+from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
 from tasks.models import make_adapter
 from tasks.runtime import runtime
 from tasks.store import Store
@@ -65,14 +65,17 @@ def inputs(cfg: dict, plan: dict) -> dict:
 
 
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
-def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1) -> dict:
+def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
+        models: dict | None = None) -> dict:
+    """`only`: compute just these item keys (a shard of the node's missing items, tasks/shards.py);
+    `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     texts = named_texts(plan, cfg)
     keys = item_keys(cfg, plan)
-    status = check_items(store, KIND, keys.values())
+    status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     if status.missing:
         by_key = {keys[n]: t for n, t in texts.items()}
         adapter = make_adapter(cfg["model"], plan["model_dir"])
-        encoders = adapter.load_text_encoders()
+        encoders = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_text_encoders)
         batches = list(chunks(status.missing, batch_size))
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch in progress(batches, "cache_text", len(batches)):

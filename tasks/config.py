@@ -164,6 +164,15 @@ class StoreConfig:
 
 
 @dataclass
+class RunnerConfig:
+    # local: caching in the flow's process | dask: shards of missing items as Prefect tasks on Dask
+    name: str = "local"
+    address: Optional[str] = None  # an existing Dask scheduler (tcp://host:8786); None: a LocalCluster
+    n_workers: int = 2  # the LocalCluster's worker processes (one thread each)
+    shard_size: Optional[int] = None  # items per shard; None: 4 shards a worker
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -172,6 +181,7 @@ class RootConfig:
     text: TextConfig = field(default_factory=TextConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
 
 
 def register() -> None:

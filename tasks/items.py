@@ -109,3 +109,13 @@ class BackgroundWrites:
         finally:
             self._pool.shutdown(wait=True)
         return False
+
+
+def load_once(memo: dict | None, key: tuple, load):
+    """load(), or the model a worker process loaded earlier for the same key (runner=dask: once per worker,
+    not once per shard). Without a memo (one run in the flow's process) it is loaded for this call only."""
+    if memo is None:
+        return load()
+    if key not in memo:
+        memo[key] = load()
+    return memo[key]

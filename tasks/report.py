@@ -14,7 +14,8 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
     return {"status": "cached" if result["computed"] == 0 else "ran", "key": result["key"],
             "computed": result["computed"], "reused": result["reused"], "seconds": round(result["seconds"], 3),
             "changed": changed_inputs(previous_inputs, result["inputs"]), "repaired": result.get("repaired", []),
-            **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {})}
+            **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {}),
+            **({"workers": result["workers"]} if "workers" in result else {})}  # caching: {worker: items computed}
 
 
 def readable_changes(changed: list[str], prompts_file: str, caption_extension: str = ".txt", limit: int = 6) -> str:

@@ -26,11 +26,11 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
-            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("train", "loss"): ("l2", "huber"),
+            ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),
             ("train", "network"): ("lora", "dora", "loha", "lokr")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
-             ("train", "discrete_flow_shift"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
+             ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
 
 
 def check_config(cfg: dict) -> list[str]:
@@ -86,6 +86,7 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
         ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
+        ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
         ("data", "bucket_max_aspect", finite, "a finite number >= 1"),
         ("model", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
         # FluxPipeline and StableDiffusion3Pipeline refuse a T5 length above 512
