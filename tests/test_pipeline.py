@@ -117,13 +117,16 @@ def test_kohya_prompt_options_reach_the_sampler(workspace):
     assert any("line 2" in w or ":2:" in w for w in r["warnings"])  # the bad line is reported, not fatal
     image = Image.open(r["artifacts"]["samples"][0])
     assert image.size == (48, 32)
-    meta = Store(workspace.store).meta("samples", _sample_keys(workspace)[0])
+    meta = Store(workspace.store).meta("samples", _sample_key(workspace, "a red circle"))
     assert (meta["steps"], meta["guidance"], meta["seed"], meta["true_cfg"]) == (3, 2.5, 9, 2.0)
 
 
-def _sample_keys(ws) -> list[str]:
-    record = Store(ws.store).read_record("train")
-    return [v for k, v in record["inputs"]["sample"].items() if k.startswith("prompt:")]
+def _sample_key(ws, prompt: str) -> str:
+    """The store key of the newest final sample of `prompt` (the store's own record of what it rendered)."""
+    store = Store(ws.store)
+    found = [m.parent for m in (ws.store / "samples").glob("*/*/manifest.json")
+             if store.meta("samples", m.parent.name).get("prompt") == prompt and "step" not in store.meta("samples", m.parent.name)]
+    return max(found, key=lambda d: d.stat().st_mtime).name
 
 
 def test_lora_alpha_survives_into_the_loaded_pipeline(workspace):
