@@ -16,6 +16,10 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - sd3: SAI MMDiT names (`lora_unet_joint_blocks_0_x_block_attn_qkv`), networks.lora_sd3's layout, loaded
   by sd-scripts and ComfyUI. diffusers' `StableDiffusion3Pipeline` loads NO kohya layout (its
   `lora_state_dict` does no conversion), so an SD3 export cannot be loaded back with diffusers.
+- zimage: `lora_unet_<diffusers module name, dots as underscores>` (`lora_unet_layers_0_attention_to_q`,
+  `..._feed_forward_w1`): the kohya-prefixed layout of the Z-Image trainers that keep diffusers' module
+  tree, which diffusers' `ZImagePipeline` converts (`_convert_non_diffusers_z_image_lora_to_diffusers`,
+  alpha applied). ComfyUI's native Z-Image names fuse q/k/v (`attention.qkv`); that layout is not written.
 
 Pure core: no prefect/hydra imports.
 """
@@ -36,7 +40,7 @@ from safetensors.torch import save_file
 
 from tasks.store import canonicalize_safetensors
 
-FAMILIES = ("flux", "sd3", "sdxl", "sd15")
+FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -84,7 +88,10 @@ _SLOT_WIDTH = (1, 1, 1, 4)
 _DROP = {"flux": r"proj_out"}
 
 _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
-         "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1")}
+         "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
+         "zimage": ("networks.lora_zimage", "zimage")}
+# Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
+_NAMED = ("zimage",)
 
 
 def _check_family(family: str) -> str:
@@ -171,12 +178,24 @@ def _unet_to_kohya(family, peft_state_dict, alpha):
     return out
 
 
+def _named_to_kohya(pairs, alpha):
+    out = {}
+    for module, (down, up) in pairs.items():
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = down.contiguous()
+        out[f"{name}.lora_up.weight"] = up.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+
 def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
     """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict."""
     _check_family(family)
     pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
     if family in ("sdxl", "sd15"):
         return _unet_to_kohya(family, peft_state_dict, alpha)
+    if family in _NAMED:
+        return _named_to_kohya(pairs, alpha)
     return _transformer_to_kohya(family, pairs, rank, alpha)
 
 

@@ -101,6 +101,12 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -
         tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
         blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
         return tokens, width, blocks
+    if "n_refiner_layers" in config:  # Z-Image's single-stream DiT: image and caption tokens in one sequence
+        patch = config["all_patch_size"][0]
+        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
+        # the refiners run on the image (noise_refiner) or the caption (context_refiner) tokens alone: counted
+        # as one full block per refiner layer (an overestimate of the caption side's share)
+        return tokens, config["dim"], config["n_layers"] + config["n_refiner_layers"]
     # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
     channels = config["block_out_channels"]
     tokens = (h // 8) * (w // 8)
