@@ -34,15 +34,16 @@ _QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 def _qwen_tokenizer(num_merges: int, chat_template: str = QWEN3_CHAT_TEMPLATE) -> Qwen2Tokenizer:
     """Byte-level BPE with Qwen2's pre-tokenizer (GPT-2 style, no end-of-word marker), Qwen's special
-    tokens (<|endoftext|> = pad/eos/unk, <|im_start|>, <|im_end|>) and a chat template."""
+    tokens (<|endoftext|> = pad/unk, <|im_start|>, <|im_end|> = eos) and a chat template."""
     backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer  # Qwen's pre-processing
     words = Counter(piece for line in _corpus()
                     for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
     merges = _learn_bpe(words, num_merges, suffix="")
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + _QWEN_SPECIALS
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    # Qwen3's: eos <|im_end|> (the end of a chat turn, also its model config's eos), pad <|endoftext|>
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, padding_side="right",
-                               additional_special_tokens=_QWEN_SPECIALS[1:])
+                               eos_token="<|im_end|>", additional_special_tokens=_QWEN_SPECIALS[1:])
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -64,7 +65,7 @@ def _qwen3(a: dict, tokenizer) -> Qwen3Model:
         num_hidden_layers=a["qwen_layers"], num_attention_heads=a["qwen_heads"],
         num_key_value_heads=a["qwen_kv_heads"], head_dim=a["qwen_head_dim"], max_position_embeddings=1024,
         rope_theta=1000000.0, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     ))
 
 
