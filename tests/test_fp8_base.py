@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from test_cli import REPO, _cli
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-FAMILIES = ["flux", "sd3", "sdxl", "sd15"]
+FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage"]
 
 
 def _gen(seed=0):
@@ -188,6 +189,8 @@ def test_every_family_trains_on_an_fp8_base_through_the_cli(family, tmp_path):
                  "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
     assert report["nodes"]["train"]["status"] == "ran" and len(report["loss"]) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in report["loss"])
-    assert report["artifacts"]["samples"]
+    assert Path(report["artifacts"]["lora"]).is_file()
+    assert len(report["artifacts"]["samples"]) == 3 and all(Path(p).is_file() for p in report["artifacts"]["samples"])
