@@ -20,6 +20,8 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
   `..._feed_forward_w1`): the kohya-prefixed layout of the Z-Image trainers that keep diffusers' module
   tree, which diffusers' `ZImagePipeline` converts (`_convert_non_diffusers_z_image_lora_to_diffusers`,
   alpha applied). ComfyUI's native Z-Image names fuse q/k/v (`attention.qkv`); that layout is not written.
+- qwenimage: the same rule (`lora_unet_transformer_blocks_0_attn_to_q`), musubi-tuner's Qwen-Image layout,
+  which diffusers' `QwenImagePipeline` converts (`_convert_non_diffusers_qwen_lora_to_diffusers`).
 
 Pure core: no prefect/hydra imports.
 """
@@ -40,7 +42,7 @@ from safetensors.torch import save_file
 
 from tasks.store import canonicalize_safetensors
 
-FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage")
+FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -89,9 +91,9 @@ _DROP = {"flux": r"proj_out"}
 
 _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
-         "zimage": ("networks.lora_zimage", "zimage")}
+         "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
-_NAMED = ("zimage",)
+_NAMED = ("zimage", "qwenimage")
 
 
 def _check_family(family: str) -> str:

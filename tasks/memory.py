@@ -95,7 +95,7 @@ def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype:
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
     """(tokens, width, blocks) of the denoiser at this training size, from its config."""
     w, h = size
-    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 transformers
+    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 / Qwen-Image transformers
         width = config["num_attention_heads"] * config["attention_head_dim"]
         patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
         tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens

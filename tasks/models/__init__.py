@@ -22,6 +22,7 @@ FAMILIES = {
     "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny_families:build_tiny_sdxl"),
     "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),
     "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny_llm_families:build_tiny_zimage"),
+    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny_llm_families:build_tiny_qwenimage"),
 }
 
 
