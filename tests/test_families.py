@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO, Workspace
 
-FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage"]
+FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -20,7 +20,7 @@ from test_cli import REPO, _cli
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage"]
+FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage"]
 
 
 def _gen(seed=0):

@@ -64,6 +64,15 @@ def test_zimage_turbo_at_1024(tmp_path):
     assert est["activations_gb"] > 0
 
 
+def test_qwenimage_at_1024(tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+
+    folder = _headers(QwenImageTransformer2DModel, {}, tmp_path)  # Qwen/Qwen-Image's config: the class defaults
+    est = estimate(_cfg(), folder, "transformer", TARGETS, (1024, 1024), 512, QwenImageTransformer2DModel)
+    assert 20.3e9 < est["params"] < 20.5e9 and 37 < est["weights_gb"] < 39  # Qwen-Image: 20.4 B parameters
+    assert est["lora_params"] == 60 * 4 * 16 * (2 * 3072)  # rank 16 on to_q/k/v/out of 60 blocks, width 3072
+
+
 def _cfg(**train):
     return {"model": {"dtype": "bfloat16", "storage_dtype": None, "max_sequence_length": 512},
             "train": {"rank": 16, "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16",
@@ -111,7 +120,8 @@ def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers)
 
 
 @pytest.mark.parametrize("family,modulation", [("flux", False), ("flux", True), ("sd3", False), ("sd3", True),
-                                               ("sdxl", False), ("zimage", False), ("zimage", True)])
+                                               ("sdxl", False), ("zimage", False), ("zimage", True),
+                                               ("qwenimage", True)])
 def test_estimated_weights_are_what_the_train_node_holds(family, modulation, tmp_path):
     """The estimate's weight bytes equal those the denoiser the train node prepares holds (fp8 base; its
     parameters and saved buffers, LoRA left out), for transformers with AdaLN and a UNet with convolutions

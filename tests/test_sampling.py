@@ -77,8 +77,23 @@ def test_zimage_samples_from_cache_as_the_pipeline_from_strings(tiny):
         assert _close(mine, reference), guidance
 
 
+def test_qwenimage_samples_from_cache_as_the_pipeline_from_strings(tiny):
+    """Qwen-Image: each cached caption cut back to its tokens gives the pipeline's image from strings, with
+    true CFG against the negative's own embeddings, and without CFG at true_cfg 1."""
+    adapter = tiny("qwenimage")
+    prompt, negative, empty = adapter.encode_text(adapter.load_text_encoders(), [PROMPT, NEGATIVE, ""])
+    sampler, strings = adapter.load_sampler(None), _strings_pipeline(adapter)
+    for true_cfg, neg in ((4.0, NEGATIVE), (1.0, None)):
+        kw = dict(width=64, height=64, steps=2, guidance=3.5, true_cfg=true_cfg, seed=5)
+        mine = adapter.sample(sampler, prompt, negative if neg else None, empty, **kw)
+        reference = strings(PROMPT, negative_prompt=neg, true_cfg_scale=true_cfg, width=64, height=64,
+                            num_inference_steps=2, max_sequence_length=SEQ,
+                            generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert _close(mine, reference), true_cfg
+
+
 @pytest.mark.parametrize("generator_device", ["cpu", "device"])
-@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15", "zimage"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage"])
 def test_generator_and_tensors_agree_on_device(tiny, family, generator_device, monkeypatch):
     """Every seeded draw while sampling fills a tensor on its generator's device (SimpleTuner's sampler
     crashed handing a CUDA generator CPU tensors). On this CPU-only machine both settings resolve to the
