@@ -92,8 +92,29 @@ def test_qwenimage_samples_from_cache_as_the_pipeline_from_strings(tiny):
         assert _close(mine, reference), true_cfg
 
 
+def test_flux2_klein_samples_from_cache_as_the_pipeline_from_strings(tiny):
+    """FLUX.2 [klein]: cached embeddings give the pipeline's image from strings, with real CFG against the
+    negative's own embeddings (the pipeline from strings: negative_prompt_embeds of the negative), and
+    without CFG at guidance 1."""
+    adapter = tiny("flux2_klein")
+    prompt, negative, empty = adapter.encode_text(adapter.load_text_encoders(), [PROMPT, NEGATIVE, ""])
+    sampler, strings = adapter.load_sampler(None), _strings_pipeline(adapter)
+    for guidance in (4.0, 1.0):
+        kw = dict(width=64, height=64, steps=2, guidance=guidance, true_cfg=1.0, seed=5)
+        mine = adapter.sample(sampler, prompt, None, empty, **kw)  # the pipeline's own negative is ""
+        reference = strings(prompt=PROMPT, guidance_scale=guidance, width=64, height=64, num_inference_steps=2,
+                            max_sequence_length=SEQ, generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert _close(mine, reference), guidance
+    with_negative = adapter.sample(sampler, prompt, negative, empty, **{**kw, "guidance": 4.0})
+    neg_embeds, _ = strings.encode_prompt(NEGATIVE, max_sequence_length=SEQ)
+    reference = strings(prompt=PROMPT, negative_prompt_embeds=neg_embeds, guidance_scale=4.0, width=64, height=64,
+                        num_inference_steps=2, max_sequence_length=SEQ,
+                        generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    assert _close(with_negative, reference)
+
+
 @pytest.mark.parametrize("generator_device", ["cpu", "device"])
-@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"])
 def test_generator_and_tensors_agree_on_device(tiny, family, generator_device, monkeypatch):
     """Every seeded draw while sampling fills a tensor on its generator's device (SimpleTuner's sampler
     crashed handing a CUDA generator CPU tensors). On this CPU-only machine both settings resolve to the

@@ -11,14 +11,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers import (  # noqa: E402
-    QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline, ZImagePipeline,
+    Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline, ZImagePipeline,
 )
 from diffusers.utils import convert_state_dict_to_diffusers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl  # noqa: E402
-from tasks.models.tiny_llm_families import build_tiny_qwenimage, build_tiny_zimage  # noqa: E402
+from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"
 BASE_KWARGS = dict(height=64, width=64, num_inference_steps=2, output_type="pil")
@@ -33,14 +33,17 @@ FAMILIES = {
                dict(max_sequence_length=32, guidance_scale=2.0)),
     "qwenimage": (build_tiny_qwenimage, QwenImagePipeline, "transformer", "transformer_lora_layers",
                   dict(max_sequence_length=32, negative_prompt=" ", true_cfg_scale=2.0)),
+    "flux2_klein": (build_tiny_flux2, Flux2KleinPipeline, "transformer", "transformer_lora_layers",
+                    dict(max_sequence_length=32, guidance_scale=2.0)),
 }
 DENOISER_WEIGHTS = {"sd3": "transformer/diffusion_pytorch_model.safetensors",
                     "sdxl": "unet/diffusion_pytorch_model.safetensors",
                     "sd15": "unet/diffusion_pytorch_model.safetensors",
                     "zimage": "transformer/diffusion_pytorch_model.safetensors",
-                    "qwenimage": "transformer/diffusion_pytorch_model.safetensors"}
+                    "qwenimage": "transformer/diffusion_pytorch_model.safetensors",
+                    "flux2_klein": "transformer/diffusion_pytorch_model.safetensors"}
 # An arch key that deepens the text encoder, per family (the CLIP towers; Z-Image's Qwen3).
-TEXT_LAYERS_KEY = {"zimage": "qwen_layers", "qwenimage": "qwen_layers"}
+TEXT_LAYERS_KEY = {"zimage": "qwen_layers", "qwenimage": "qwen_layers", "flux2_klein": "qwen_layers"}
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -49,7 +52,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def _generate(family: str, pipe, seed: int = 0) -> np.ndarray:
     extra = FAMILIES[family][4]
-    image = pipe(PROMPT, generator=torch.Generator().manual_seed(seed), **BASE_KWARGS, **extra).images[0]
+    image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), **BASE_KWARGS, **extra).images[0]
     assert image.size == (64, 64)
     return np.asarray(image)
 
