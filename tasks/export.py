@@ -16,6 +16,15 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - sd3: SAI MMDiT names (`lora_unet_joint_blocks_0_x_block_attn_qkv`), networks.lora_sd3's layout, loaded
   by sd-scripts and ComfyUI. diffusers' `StableDiffusion3Pipeline` loads NO kohya layout (its
   `lora_state_dict` does no conversion), so an SD3 export cannot be loaded back with diffusers.
+- zimage: `lora_unet_<diffusers module name, dots as underscores>` (`lora_unet_layers_0_attention_to_q`,
+  `..._feed_forward_w1`): the kohya-prefixed layout of the Z-Image trainers that keep diffusers' module
+  tree, which diffusers' `ZImagePipeline` converts (`_convert_non_diffusers_z_image_lora_to_diffusers`,
+  alpha applied). ComfyUI's native Z-Image names fuse q/k/v (`attention.qkv`); that layout is not written.
+- flux2_klein: BFL FLUX.2 names (`lora_unet_double_blocks_0_img_attn_qkv` fused as for Flux,
+  `..._single_blocks_0_linear1` = diffusers' already fused `to_qkv_mlp_proj`), which diffusers'
+  `Flux2KleinPipeline` converts (`_convert_kohya_flux2_lora_to_diffusers`).
+- qwenimage: the same rule (`lora_unet_transformer_blocks_0_attn_to_q`), musubi-tuner's Qwen-Image layout,
+  which diffusers' `QwenImagePipeline` converts (`_convert_non_diffusers_qwen_lora_to_diffusers`).
 
 Pure core: no prefect/hydra imports.
 """
@@ -36,7 +45,7 @@ from safetensors.torch import save_file
 
 from tasks.store import canonicalize_safetensors
 
-FAMILIES = ("flux", "sd3", "sdxl", "sd15")
+FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -76,6 +85,18 @@ _RULES = {
         (_B + r"ff_context\.net\.2", "joint_blocks_{}_context_block_mlp_fc2", 1),
     ],
 }
+_RULES["flux2_klein"] = [  # BFL FLUX.2 names, as diffusers' _convert_kohya_flux2_lora_to_diffusers reads them
+    (_B + r"attn\.to_([qkv])", "double_blocks_{}_img_attn_qkv", 3),
+    (_B + r"attn\.add_([qkv])_proj", "double_blocks_{}_txt_attn_qkv", 3),
+    (_B + r"attn\.to_out\.0", "double_blocks_{}_img_attn_proj", 1),
+    (_B + r"attn\.to_add_out", "double_blocks_{}_txt_attn_proj", 1),
+    (_B + r"ff\.linear_in", "double_blocks_{}_img_mlp_0", 1),
+    (_B + r"ff\.linear_out", "double_blocks_{}_img_mlp_2", 1),
+    (_B + r"ff_context\.linear_in", "double_blocks_{}_txt_mlp_0", 1),
+    (_B + r"ff_context\.linear_out", "double_blocks_{}_txt_mlp_2", 1),
+    (_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{}_linear1", 1),  # already one fused Linear in diffusers
+    (_S + r"attn\.to_out", "single_blocks_{}_linear2", 1),
+]
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
@@ -84,7 +105,11 @@ _SLOT_WIDTH = (1, 1, 1, 4)
 _DROP = {"flux": r"proj_out"}
 
 _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
-         "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1")}
+         "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
+         "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
+         "flux2_klein": ("networks.lora_flux2", "flux2_klein")}
+# Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
+_NAMED = ("zimage", "qwenimage")
 
 
 def _check_family(family: str) -> str:
@@ -171,12 +196,24 @@ def _unet_to_kohya(family, peft_state_dict, alpha):
     return out
 
 
+def _named_to_kohya(pairs, alpha):
+    out = {}
+    for module, (down, up) in pairs.items():
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.lora_down.weight"] = down.contiguous()
+        out[f"{name}.lora_up.weight"] = up.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+
 def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
     """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict."""
     _check_family(family)
     pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
     if family in ("sdxl", "sd15"):
         return _unet_to_kohya(family, peft_state_dict, alpha)
+    if family in _NAMED:
+        return _named_to_kohya(pairs, alpha)
     return _transformer_to_kohya(family, pairs, rank, alpha)
 
 

@@ -95,12 +95,18 @@ def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype:
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
     """(tokens, width, blocks) of the denoiser at this training size, from its config."""
     w, h = size
-    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 transformers
+    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 / Qwen-Image transformers
         width = config["num_attention_heads"] * config["attention_head_dim"]
         patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
         tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
         blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
         return tokens, width, blocks
+    if "n_refiner_layers" in config:  # Z-Image's single-stream DiT: image and caption tokens in one sequence
+        patch = config["all_patch_size"][0]
+        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
+        # the refiners run on the image (noise_refiner) or the caption (context_refiner) tokens alone: counted
+        # as one full block per refiner layer (an overestimate of the caption side's share)
+        return tokens, config["dim"], config["n_layers"] + config["n_refiner_layers"]
     # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
     channels = config["block_out_channels"]
     tokens = (h // 8) * (w // 8)

@@ -179,7 +179,8 @@ def config_errors(cfg: dict) -> list[str]:
     errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
     if cfg["train"]["timestep_sampling"] != "sigma" and not adapter_cls.flow_matching:
         errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
-                      f"(Flux, SD3); {cfg['model']['family']} samples DDPM timesteps: use train.timestep_sampling=sigma")
+                      f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
+                      f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls)
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):

@@ -28,9 +28,13 @@ from safetensors.torch import load_file
 from tasks.export import kohya_metadata, save_kohya, to_kohya
 from tasks.models.tiny import build_tiny_flux
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
+from tasks.models.flux2_klein import Flux2KleinAdapter
+from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage
+from tasks.models.zimage import ZImageAdapter
 
 RANK, ALPHA = 4, 8
-BUILDERS = {"flux": build_tiny_flux, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15}
+BUILDERS = {"flux": build_tiny_flux, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15,
+            "zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2}
 _ATTN = ["to_k", "to_q", "to_v", "to_out.0"]
 _JOINT = _ATTN + ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]
 TARGETS = {
@@ -39,6 +43,11 @@ TARGETS = {
     "sd3": [f"attn.{m}" for m in _JOINT],
     "sdxl": _ATTN,
     "sd15": _ATTN,
+    "zimage": ZImageAdapter.LORA_TARGETS,  # main layers and both refiners: attention and feed-forward
+    # both streams' attention and MLPs (more than the default targets, so every name rule is exercised)
+    "qwenimage": ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out",
+     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
+    "flux2_klein": Flux2KleinAdapter.LORA_TARGETS,  # every block projection: all kohya name rules
 }
 # Everything diffusers' kohya Flux loader handles at any width (see module docstring).
 FLUX_DIFFUSERS_TARGETS = (r"(transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
@@ -93,12 +102,16 @@ def _denoiser(pipe):
 
 def _render(pipe):
     kw = {"max_sequence_length": 32} if hasattr(pipe, "transformer") else {}
-    out = pipe("a photo of a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
+    out = pipe(prompt="a photo of a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
                generator=torch.Generator("cpu").manual_seed(0), **kw)
     return out.images[0]
 
 
-def _trained_lora(model_dir, targets):
+# lora_B's scale: the tiny Qwen-Image's VAE damps a LoRA at 0.1 to under 1e-2 of the image for some A draws
+B_SCALE = {"qwenimage": 1.0}
+
+
+def _trained_lora(model_dir, targets, b_scale=0.1):
     """A LoRA as training leaves it, but with non-zero B (PEFT initialises B to zero)."""
     den = _denoiser(_load(model_dir))
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets)
@@ -107,7 +120,7 @@ def _trained_lora(model_dir, targets):
     with torch.no_grad():
         for name, p in den.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen) * b_scale)
     return get_peft_model_state_dict(den), config
 
 
@@ -135,11 +148,12 @@ def _merge_like_comfyui(pipe, kohya, table):
 
 
 @pytest.mark.parametrize("family,loader", [("sd15", "diffusers"), ("sdxl", "diffusers"), ("flux", "diffusers"),
-                                           ("flux", "merge"), ("sd3", "merge")])
+                                           ("flux", "merge"), ("sd3", "merge"), ("zimage", "diffusers"),
+                                           ("qwenimage", "diffusers"), ("flux2_klein", "diffusers")])
 def test_kohya_export_reproduces_peft_lora(family, loader, model_dirs, tmp_path):
     model_dir = model_dirs(family)
     targets = FLUX_DIFFUSERS_TARGETS if (family, loader) == ("flux", "diffusers") else TARGETS[family]
-    sd, config = _trained_lora(model_dir, targets)
+    sd, config = _trained_lora(model_dir, targets, B_SCALE.get(family, 0.1))
     meta = kohya_metadata(family, RANK, ALPHA, ss_steps=10, ss_dataset_hash="abc", loraflow_base_model="sha256:0")
     file = save_kohya(tmp_path / "out" / "lora.safetensors", family, sd, RANK, ALPHA, meta)
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO, Workspace
 
-FAMILIES = ["flux", "sd3", "sdxl", "sd15"]
+FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -77,7 +77,7 @@ def test_lora_loads_into_the_family_pipeline_and_changes_output(trained, fmt):
         pipe.set_progress_bar_config(disable=True)
         if lora_file:
             pipe.load_lora_weights(lora_file)
-        out = pipe("a red circle on a blue background", num_inference_steps=2, height=64, width=64,
+        out = pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64, width=64,
                    generator=torch.Generator("cpu").manual_seed(0), output_type="pt",
                    **({"max_sequence_length": 32} if "max_sequence_length" in pipe.__call__.__code__.co_varnames else {}))
         return out.images

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from test_cli import REPO, _cli
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-FAMILIES = ["flux", "sd3", "sdxl", "sd15"]
+FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"]
 
 
 def _gen(seed=0):
@@ -178,7 +179,9 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     assert [s for s in saved_lc if s[0] == BF16 and s[1] in low]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# FLUX.2 [klein] is left out here to keep the suite's time (its whole DAG runs in tests/test_families.py, its
+# fp8 gradients above); it passed this test when added (47 s on 2 busy cores).
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "flux2_klein"])
 def test_every_family_trains_on_an_fp8_base_through_the_cli(family, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)
@@ -188,9 +191,11 @@ def test_every_family_trains_on_an_fp8_base_through_the_cli(family, tmp_path):
                  "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
     assert report["nodes"]["train"]["status"] == "ran" and len(report["loss"]) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in report["loss"])
-    assert report["artifacts"]["samples"]
+    assert Path(report["artifacts"]["lora"]).is_file()
+    assert len(report["artifacts"]["samples"]) == 3 and all(Path(p).is_file() for p in report["artifacts"]["samples"])
 
 
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -197,7 +197,7 @@ SENSIBLE = {
     "train.loss": _in("l2", "huber"), "train.network": _in("lora", "dora"),  # loha/lokr: refused (no loader)
     "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
-    "model.family": _in("flux", "sd3", "sdxl", "sd15"), "model.seed": lambda v: 0 <= v < 2**64,
+    "model.family": _in("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"), "model.seed": lambda v: 0 <= v < 2**64,
     "model.max_sequence_length": lambda v: 1 <= v <= 512,
     "data.resolution": lambda v: _fin(v) and 16 <= v <= 16384 and v % 16 == 0,
     "data.resolution_type": _in("pixels", "area"), "data.missing_caption": _in("error", "empty"),

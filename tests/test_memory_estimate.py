@@ -20,14 +20,24 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 
 
+# Tongyi-MAI/Z-Image-Turbo's transformer/config.json
+ZIMAGE_TURBO = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
+                    n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
+                    rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
+
+
 @pytest.fixture(scope="module")
 def flux_dev_headers(tmp_path_factory):
     """FLUX.1-dev's transformer as config + a header-only safetensors file (shapes, no weights)."""
     from diffusers import FluxTransformer2DModel
 
+    return _headers(FluxTransformer2DModel, FLUX_DEV, tmp_path_factory.mktemp("flux-dev"))
+
+
+def _headers(cls, config, root):
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**FLUX_DEV)
-    folder = tmp_path_factory.mktemp("flux-dev") / "transformer"
+        model = cls(**config)
+    folder = root / "transformer"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(dict(model.config)))
     header, offset = {}, 0
@@ -38,6 +48,29 @@ def flux_dev_headers(tmp_path_factory):
     raw = json.dumps(header).encode()
     (folder / "diffusion_pytorch_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     return folder.parent
+
+
+def test_zimage_turbo_at_1024(tmp_path):
+    from diffusers import ZImageTransformer2DModel
+
+    from tasks.models.zimage import ZImageAdapter
+
+    folder = _headers(ZImageTransformer2DModel, ZIMAGE_TURBO, tmp_path)
+    est = estimate(_cfg(), folder, "transformer", ZImageAdapter.LORA_TARGETS, (1024, 1024), 512,
+                   ZImageTransformer2DModel)
+    assert 6.1e9 < est["params"] < 6.2e9 and 11 < est["weights_gb"] < 12  # Z-Image: 6.15 B parameters
+    # rank 16 on q/k/v/out and w1/w2/w3 of 30 layers + 4 refiner layers
+    assert est["lora_params"] == 34 * 16 * (4 * 2 * 3840 + 3 * (3840 + 10240))
+    assert est["activations_gb"] > 0
+
+
+def test_qwenimage_at_1024(tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+
+    folder = _headers(QwenImageTransformer2DModel, {}, tmp_path)  # Qwen/Qwen-Image's config: the class defaults
+    est = estimate(_cfg(), folder, "transformer", TARGETS, (1024, 1024), 512, QwenImageTransformer2DModel)
+    assert 20.3e9 < est["params"] < 20.5e9 and 37 < est["weights_gb"] < 39  # Qwen-Image: 20.4 B parameters
+    assert est["lora_params"] == 60 * 4 * 16 * (2 * 3072)  # rank 16 on to_q/k/v/out of 60 blocks, width 3072
 
 
 def _cfg(**train):
@@ -87,7 +120,8 @@ def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers)
 
 
 @pytest.mark.parametrize("family,modulation", [("flux", False), ("flux", True), ("sd3", False), ("sd3", True),
-                                               ("sdxl", False)])
+                                               ("sdxl", False), ("zimage", False), ("zimage", True),
+                                               ("qwenimage", True)])
 def test_estimated_weights_are_what_the_train_node_holds(family, modulation, tmp_path):
     """The estimate's weight bytes equal those the denoiser the train node prepares holds (fp8 base; its
     parameters and saved buffers, LoRA left out), for transformers with AdaLN and a UNet with convolutions

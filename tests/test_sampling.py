@@ -1,4 +1,4 @@
-"""Sampling from cached embeddings, per family: negative prompts (their own embeddings) on Flux and SD3
+"""Sampling from cached embeddings, per family: negative prompts (their own embeddings) on Flux, SD3 and Z-Image
 match the pipeline run from strings; the generator and the tensors it fills agree on device; sizes."""
 from __future__ import annotations
 
@@ -61,8 +61,60 @@ def test_sd3_negative_prompt_uses_its_own_embeddings(tiny):
     assert _close(with_negative, reference)
 
 
+def test_zimage_samples_from_cache_as_the_pipeline_from_strings(tiny):
+    """Z-Image: the cached (padded) embeddings cut back to each caption's tokens give the pipeline's image
+    from strings, with real CFG against the negative's own embeddings, and without CFG at guidance 0
+    (Z-Image-Turbo's setting)."""
+    adapter = tiny("zimage")
+    prompt, negative, empty = adapter.encode_text(adapter.load_text_encoders(), [PROMPT, NEGATIVE, ""])
+    sampler, strings = adapter.load_sampler(None), _strings_pipeline(adapter)
+    for guidance, neg in ((4.0, NEGATIVE), (0.0, None)):
+        kw = dict(width=64, height=64, steps=2, guidance=guidance, true_cfg=1.0, seed=5)
+        mine = adapter.sample(sampler, prompt, negative if neg else None, empty, **kw)
+        reference = strings(PROMPT, negative_prompt=neg, width=64, height=64, num_inference_steps=2,
+                            guidance_scale=guidance, max_sequence_length=SEQ,
+                            generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert _close(mine, reference), guidance
+
+
+def test_qwenimage_samples_from_cache_as_the_pipeline_from_strings(tiny):
+    """Qwen-Image: each cached caption cut back to its tokens gives the pipeline's image from strings, with
+    true CFG against the negative's own embeddings, and without CFG at true_cfg 1."""
+    adapter = tiny("qwenimage")
+    prompt, negative, empty = adapter.encode_text(adapter.load_text_encoders(), [PROMPT, NEGATIVE, ""])
+    sampler, strings = adapter.load_sampler(None), _strings_pipeline(adapter)
+    for true_cfg, neg in ((4.0, NEGATIVE), (1.0, None)):
+        kw = dict(width=64, height=64, steps=2, guidance=3.5, true_cfg=true_cfg, seed=5)
+        mine = adapter.sample(sampler, prompt, negative if neg else None, empty, **kw)
+        reference = strings(PROMPT, negative_prompt=neg, true_cfg_scale=true_cfg, width=64, height=64,
+                            num_inference_steps=2, max_sequence_length=SEQ,
+                            generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert _close(mine, reference), true_cfg
+
+
+def test_flux2_klein_samples_from_cache_as_the_pipeline_from_strings(tiny):
+    """FLUX.2 [klein]: cached embeddings give the pipeline's image from strings, with real CFG against the
+    negative's own embeddings (the pipeline from strings: negative_prompt_embeds of the negative), and
+    without CFG at guidance 1."""
+    adapter = tiny("flux2_klein")
+    prompt, negative, empty = adapter.encode_text(adapter.load_text_encoders(), [PROMPT, NEGATIVE, ""])
+    sampler, strings = adapter.load_sampler(None), _strings_pipeline(adapter)
+    for guidance in (4.0, 1.0):
+        kw = dict(width=64, height=64, steps=2, guidance=guidance, true_cfg=1.0, seed=5)
+        mine = adapter.sample(sampler, prompt, None, empty, **kw)  # the pipeline's own negative is ""
+        reference = strings(prompt=PROMPT, guidance_scale=guidance, width=64, height=64, num_inference_steps=2,
+                            max_sequence_length=SEQ, generator=torch.Generator("cpu").manual_seed(5)).images[0]
+        assert _close(mine, reference), guidance
+    with_negative = adapter.sample(sampler, prompt, negative, empty, **{**kw, "guidance": 4.0})
+    neg_embeds, _ = strings.encode_prompt(NEGATIVE, max_sequence_length=SEQ)
+    reference = strings(prompt=PROMPT, negative_prompt_embeds=neg_embeds, guidance_scale=4.0, width=64, height=64,
+                        num_inference_steps=2, max_sequence_length=SEQ,
+                        generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    assert _close(with_negative, reference)
+
+
 @pytest.mark.parametrize("generator_device", ["cpu", "device"])
-@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"])
 def test_generator_and_tensors_agree_on_device(tiny, family, generator_device, monkeypatch):
     """Every seeded draw while sampling fills a tensor on its generator's device (SimpleTuner's sampler
     crashed handing a CUDA generator CPU tensors). On this CPU-only machine both settings resolve to the

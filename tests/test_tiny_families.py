@@ -1,4 +1,5 @@
-"""Tests for the tiny offline SD3 / SDXL / SD1.5 pipelines (tasks/models/tiny_families.py)."""
+"""Tests for the tiny offline SD3 / SDXL / SD1.5 pipelines (tasks/models/tiny_families.py), Z-Image and
+Qwen-Image (tasks/models/tiny_llm_families.py)."""
 
 import os
 
@@ -9,12 +10,15 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline  # noqa: E402
+from diffusers import (  # noqa: E402
+    Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline, ZImagePipeline,
+)
 from diffusers.utils import convert_state_dict_to_diffusers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"
 BASE_KWARGS = dict(height=64, width=64, num_inference_steps=2, output_type="pil")
@@ -25,10 +29,21 @@ FAMILIES = {
             dict(max_sequence_length=32)),
     "sdxl": (build_tiny_sdxl, StableDiffusionXLPipeline, "unet", "unet_lora_layers", {}),
     "sd15": (build_tiny_sd15, StableDiffusionPipeline, "unet", "unet_lora_layers", {}),
+    "zimage": (build_tiny_zimage, ZImagePipeline, "transformer", "transformer_lora_layers",
+               dict(max_sequence_length=32, guidance_scale=2.0)),
+    "qwenimage": (build_tiny_qwenimage, QwenImagePipeline, "transformer", "transformer_lora_layers",
+                  dict(max_sequence_length=32, negative_prompt=" ", true_cfg_scale=2.0)),
+    "flux2_klein": (build_tiny_flux2, Flux2KleinPipeline, "transformer", "transformer_lora_layers",
+                    dict(max_sequence_length=32, guidance_scale=2.0)),
 }
 DENOISER_WEIGHTS = {"sd3": "transformer/diffusion_pytorch_model.safetensors",
                     "sdxl": "unet/diffusion_pytorch_model.safetensors",
-                    "sd15": "unet/diffusion_pytorch_model.safetensors"}
+                    "sd15": "unet/diffusion_pytorch_model.safetensors",
+                    "zimage": "transformer/diffusion_pytorch_model.safetensors",
+                    "qwenimage": "transformer/diffusion_pytorch_model.safetensors",
+                    "flux2_klein": "transformer/diffusion_pytorch_model.safetensors"}
+# An arch key that deepens the text encoder, per family (the CLIP towers; Z-Image's Qwen3).
+TEXT_LAYERS_KEY = {"zimage": "qwen_layers", "qwenimage": "qwen_layers", "flux2_klein": "qwen_layers"}
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -37,7 +52,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def _generate(family: str, pipe, seed: int = 0) -> np.ndarray:
     extra = FAMILIES[family][4]
-    image = pipe(PROMPT, generator=torch.Generator().manual_seed(seed), **BASE_KWARGS, **extra).images[0]
+    image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(seed), **BASE_KWARGS, **extra).images[0]
     assert image.size == (64, 64)
     return np.asarray(image)
 
@@ -68,7 +83,7 @@ def test_build_is_deterministic(family, built, tmp_path):
 
 def test_arch_overrides(family, tmp_path):
     build = FAMILIES[family][0]
-    out = build(tmp_path / "big", arch={"clip_layers": 3})
+    out = build(tmp_path / "big", arch={TEXT_LAYERS_KEY.get(family, "clip_layers"): 3})
     assert '"num_hidden_layers": 3' in (out / "text_encoder" / "config.json").read_text()
     with pytest.raises(ValueError, match="unknown arch keys"):
         build(tmp_path / "bad", arch={"no_such_key": 1})
@@ -80,7 +95,8 @@ def test_pipeline_loads_and_generates(family, built):
     for name in ("text_encoder", "text_encoder_2"):
         encoder, tokenizer = getattr(pipe, name, None), getattr(pipe, name.replace("text_encoder", "tokenizer"), None)
         if encoder is not None:
-            assert encoder.config.eos_token_id == tokenizer.eos_token_id
+            config = getattr(encoder.config, "text_config", encoder.config)  # Qwen2.5-VL: the text model's
+            assert config.eos_token_id == tokenizer.eos_token_id
     first, second = _generate(family, pipe), _generate(family, pipe)
     assert first.shape == (64, 64, 3)
     assert np.array_equal(first, second)

@@ -21,6 +21,9 @@ FAMILIES = {
     "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny_families:build_tiny_sd3"),
     "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny_families:build_tiny_sdxl"),
     "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),
+    "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny_llm_families:build_tiny_zimage"),
+    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny_llm_families:build_tiny_qwenimage"),
+    "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
 }
 
 

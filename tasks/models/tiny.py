@@ -65,10 +65,11 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _learn_bpe(word_counts: Counter, num_merges: int) -> list[tuple[str, str]]:
+def _learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> list[tuple[str, str]]:
     """Plain BPE merge learning with ties broken by pair, so the result is reproducible
-    (tokenizers' BpeTrainer/UnigramTrainer break ties in hash order: different files every run)."""
-    seqs = {w: tuple(w[:-1]) + (w[-1] + "</w>",) for w in sorted(word_counts)}
+    (tokenizers' BpeTrainer/UnigramTrainer break ties in hash order: different files every run).
+    `suffix` marks a word's last symbol (CLIP's "</w>"; "" for GPT-2/Qwen byte-level BPE)."""
+    seqs = {w: tuple(w[:-1]) + (w[-1] + suffix,) for w in sorted(word_counts)}
     merges = []
     for _ in range(num_merges):
         pairs = Counter()

@@ -1,0 +1,115 @@
+"""Qwen-Image: an MMDiT (double-stream blocks) on 2x2 patches of its own VAE (AutoencoderKLQwenImage, /8, 16
+channels, a video VAE run on one frame, per-channel latents_mean/std), text from Qwen2.5-VL (the last
+hidden states of the caption in Qwen-Image's system template, the template's first 34 tokens dropped),
+flow matching with true CFG. Follows diffusers' QwenImagePipeline and its LoRA example
+(examples/dreambooth/train_dreambooth_lora_qwen_image.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+from tasks.models.base import FamilyAdapter
+from tasks.models.flow_matching import noise_latents, weighted_loss
+
+_SAFE = dict(use_safetensors=True)
+_TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
+_SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
+
+
+class QwenImageAdapter(FamilyAdapter):
+    family = "qwenimage"
+    pipeline_cls, denoiser_cls, denoiser_subfolder = QwenImagePipeline, QwenImageTransformer2DModel, "transformer"
+    single_file_holds = "denoiser"  # e.g. qwen_image_bf16.safetensors: the transformer only
+    latent_components = ("vae",)
+    text_components = ("tokenizer", "text_encoder")
+    denoiser_components = ("transformer",)
+    sample_components = ("transformer", "vae", "scheduler")
+    size_multiple = 16  # VAE /8, then 2x2 patches
+    flow_matching = True
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return AutoencoderKLQwenImage.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+
+    @torch.no_grad()
+    def encode_latents(self, vae, pixels):
+        # One frame of the video VAE ([B, C, 1, H, W]); the mode, normalised per channel as the pipeline
+        # un-normalises before decoding (latents * std + mean). Stored 4-D, like every family's latents.
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)[:, :, None]).latent_dist.mode()
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        return ((z - mean) / std)[:, :, 0]
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        # The pipeline's own encode_prompt (so the bytes are its bytes). It returns each batch padded to its
+        # longest caption, cut at max_sequence_length; the cache stores every caption padded to
+        # max_sequence_length (zeros) with its mask, so captions stack into batches of any mix of lengths.
+        embeds, mask = pipe.encode_prompt(texts, device=self.device, max_sequence_length=self.max_sequence_length)
+        if mask is None:  # all tokens real: the pipeline drops the mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.int64, device=embeds.device)
+        pad = self.max_sequence_length - embeds.shape[1]
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad)).cpu()
+        mask = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).cpu()
+        return [{"prompt_embeds": embeds[i], "attention_mask": mask[i]} for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return QwenImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+
+    def default_lora_targets(self):
+        # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
+        return ["to_k", "to_q", "to_v", "to_out.0"]
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        b, c, h, w = latents.shape
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
+        packed = QwenImagePipeline._pack_latents(noisy, b, c, h, w)
+        embeds = text["prompt_embeds"].to(latents.dtype)
+        mask = text["attention_mask"].to(latents.device)
+        pred = transformer(hidden_states=packed, timestep=timesteps.to(latents.dtype) / 1000,
+                           encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                           img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        vae_scale = self.size_multiple // 2
+        pred = QwenImagePipeline._unpack_latents(pred, h * vae_scale, w * vae_scale, vae_scale)[:, :, 0]
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
+
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
+        QwenImagePipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                            transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    # -- sampling --------------------------------------------------------------------------------
+    def load_sampler(self, lora_file, denoiser=None):
+        pipe = QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
+        if lora_file is not None:
+            pipe.load_lora_weights(str(lora_file))
+        pipe.set_progress_bar_config(disable=True)
+        return self.place(pipe, denoiser)
+
+    @torch.no_grad()
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
+        # True CFG at `true_cfg` (the pipeline's true_cfg_scale, on when > 1) against the prompt's negative,
+        # else the cached empty prompt; `guidance` is unused (Qwen-Image has no distilled guidance). Each
+        # caption is cut back to its own tokens: the pipeline's input from a string, mask dropped.
+        def embeds(d, name):
+            n = int(d["attention_mask"].sum())  # the real tokens lead (right padding)
+            return {f"{name}_embeds": d["prompt_embeds"][None, :n].to(self.dtype),
+                    f"{name}_embeds_mask": torch.ones(1, n, dtype=torch.int64)}  # all real: the pipeline drops it
+
+        kwargs = embeds(prompt, "prompt")
+        if true_cfg > 1:
+            kwargs.update(embeds(negative if negative is not None else empty, "negative_prompt"))
+        generator = self.make_generator(pipe, seed, generator_device)
+        return pipe(**kwargs, true_cfg_scale=true_cfg, width=width, height=height, num_inference_steps=steps,
+                    max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil").images[0]
