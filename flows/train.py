@@ -85,6 +85,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
               "memory_estimate": plan["memory"], "dataset": plan["dataset"],
+              "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     path = write_report(run_dir, report)
