@@ -310,7 +310,12 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict
                 plain[section][key] = str(path.resolve())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{section}.{key}={value[:200]!r}: not a usable path ({e})") from e
-    for i, subset in enumerate(plain["data"].get("subsets") or []):
+    subsets = plain["data"].get("subsets") or []
+    if not isinstance(subsets, list) or not all(isinstance(x, dict) and isinstance(x.get("dir"), str) for x in subsets):
+        # an interpolation (data.subsets=${train.lr}) escapes the schema's type check
+        raise ConfigError(f"data.subsets={str(subsets)[:200]}: must be a list of {{dir, repeats, caption_extension, "
+                          "is_reg}}, e.g. 'data.subsets=[{dir: a, repeats: 2}]'")
+    for i, subset in enumerate(subsets):
         try:
             if "\x00" in subset["dir"]:
                 raise ValueError("embedded NUL character")

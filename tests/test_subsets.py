@@ -157,3 +157,22 @@ def test_refusals():
     assert any(e.startswith("data.random_crop=true: latents are cached once per image") for e in errors)
     assert any(e.startswith("data.subsets[0].repeats=0") for e in errors)
     assert not validate.config_errors(_cfg("data=subsets_example"))
+
+
+def test_report_lists_the_kohya_folders(prefect_api, tmp_path):
+    """Through the flow: report.json's dataset_subsets, and the node counts (each image cached once)."""
+    import json
+
+    from flows.train import train_flow
+
+    root = _kohya(tmp_path / "data")
+    shutil.copyfile(REPO / "data" / "demo_prompts.txt", tmp_path / "prompts.txt")
+    out = train_flow(config_name="train", overrides=[
+        f"data.dir={root}", f"sample.prompts_file={tmp_path / 'prompts.txt'}", f"store.root={tmp_path / 'store'}",
+        f"hydra.run.dir={tmp_path / 'run'}", "train.max_steps=2", "sample.steps=1", "data.flip_aug=true"])
+    report = json.loads(Path(out["report"]).read_text())
+    assert report["dataset_subsets"] == [
+        {"folder": str(root / "10_char"), "images": 2, "repeats": 10, "is_reg": False},
+        {"folder": str(root / "1_style"), "images": 1, "repeats": 1, "is_reg": False}]
+    assert report["nodes"]["cache_latents"]["computed"] == 6  # 3 images and their mirrors
+    assert report["nodes"]["train"]["status"] == "ran"
