@@ -152,6 +152,36 @@ def test_flip_aug_caches_the_mirror_as_its_own_latent(tmp_path):
     assert cache_latents.run(plain_cfg, plain, Store(store))["computed"] == 0  # the unflipped latents are shared
 
 
+def test_edits_with_flip_aug(tmp_path):
+    """The edit matrix with flips: one image edit re-encodes it and its mirror, one caption edit one text."""
+    from PIL import Image
+
+    data, store = _copy(tmp_path / "data", ["img_00", "img_01", "img_02"]), tmp_path / "store"
+
+    def caches():
+        cfg, plan = _plan(store, f"data.dir={data}", "data.flip_aug=true")
+        return [node.run(cfg, plan, Store(store))["computed"] for node in (cache_latents, cache_text)]
+
+    first = caches()
+    assert first[0] == 6
+    img = Image.open(data / "img_01.png").convert("RGB")
+    img.putpixel((0, 0), (255, 0, 0))
+    img.save(data / "img_01.png")
+    (data / "img_02.txt").write_text("an edited caption")
+    assert caches() == [2, 1]
+
+
+def test_resume_is_exact_with_repeats_flips_and_reg_images(tmp_path):
+    root = _kohya(tmp_path / "data")
+    opts = (f"data.subsets=[{{dir: {root / '10_char'}, repeats: 3}}, {{dir: {root / '1_style'}, is_reg: true}}]",
+            "data.flip_aug=true", "train.prior_loss_weight=0.5")
+    straight = _train(tmp_path / "a", "train.max_steps=4", *opts)
+    _train(tmp_path / "b", "train.max_steps=2", *opts)
+    continued = _train(tmp_path / "b", "train.max_steps=4", *opts)
+    assert continued["continued_from_step"] == 2 and continued["key"] == straight["key"]
+    assert open(straight["lora"], "rb").read() == open(continued["lora"], "rb").read()
+
+
 def test_refusals():
     errors = validate.config_errors(_cfg("data.random_crop=true", "data.subsets=[{dir: x, repeats: 0}]"))
     assert any(e.startswith("data.random_crop=true: latents are cached once per image") for e in errors)
