@@ -66,7 +66,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
 
     start = time.perf_counter()
     plan = validate_task(cfg)
-    checked = {"key": "", "computed": len(plan["items"]), "reused": 0, "inputs": validate.inputs(plan),
+    checked = {"key": "", "computed": validate.images(plan), "reused": 0, "inputs": validate.inputs(plan),
                "seconds": time.perf_counter() - start}
     checked["key"] = key_of(checked["inputs"])
 

@@ -53,7 +53,8 @@ class _Captions:
         if self.mode != "cached":
             return self.adapter.encode_text(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
         label = augment.choose(item["caption"], self.aug, step, generator)
-        key = self.text_keys["empty" if label is None else cache_text.caption_name(cache_text.caption_owner(item), label)]
+        owner = cache_text.caption_owner(item)  # a flipped twin reads its source's cached texts
+        key = self.text_keys["empty" if label is None else cache_text.caption_name(owner, label)]
         return self.memo.get_or_load(key, lambda: self.store.get_tensors(cache_text.KIND, key))
 
 

@@ -28,9 +28,11 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
     from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
 
-    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it), *_draws(it)])
-             for it in plan["items"]}
-    unused = _unused(cfg["train"]) | ({"prior_loss_weight"} if not any(it.get("is_reg") for it in plan["items"]) else set())
+    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it),
+                                           *_draws(it)]) for it in plan["items"]}
+    unused = _unused(cfg["train"])
+    if not any(it.get("is_reg") for it in plan["items"]):  # it weighs reg images only
+        unused.add("prior_loss_weight")
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
             "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
@@ -100,7 +102,8 @@ def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
     training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
     labels = cache_text.caption_texts(cfg, plan, item)
     if labels:
-        return key_of(sorted(text_keys[cache_text.caption_name(cache_text.caption_owner(item), label)] for label in labels))
+        owner = cache_text.caption_owner(item)  # a flipped twin's caption is its source's
+        return key_of(sorted(text_keys[cache_text.caption_name(owner, label)] for label in labels))
     return cache_text.text_key(cfg, plan, item["caption"])
 
 

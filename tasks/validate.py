@@ -282,7 +282,7 @@ def run(cfg: dict, store: Store) -> dict:
     if dc["flip_aug"]:  # the mirror image: one more item, its own latent, its source's caption texts
         plan_items += [{**entry, "name": entry["name"] + FLIPPED, "flip_of": entry["name"]} for entry in plan_items]
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
-             len(plan_items), len(plan_prompts), model_dir, family, *size)
+             len(items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
             "dataset": dataset, "dataset_subsets": dataset_subsets}
@@ -315,6 +315,11 @@ def _dataset_warnings(dataset: list[dict]) -> list[str]:
         warnings.append(f"data: images with the same stem share one caption file, each trained with it: "
                         f"{', '.join(shared)}")
     return warnings
+
+
+def images(plan: dict) -> int:
+    """The items validate checked: a flipped twin (data.flip_aug) is its source image again."""
+    return sum("flip_of" not in it for it in plan["items"])
 
 
 def inputs(plan: dict) -> dict:

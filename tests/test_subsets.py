@@ -204,5 +204,6 @@ def test_report_lists_the_kohya_folders(prefect_api, tmp_path):
     assert report["dataset_subsets"] == [
         {"folder": str(root / "10_char"), "images": 2, "repeats": 10, "is_reg": False},
         {"folder": str(root / "1_style"), "images": 1, "repeats": 1, "is_reg": False}]
+    assert report["nodes"]["validate"]["computed"] == 3  # images checked (the mirrors are not files)
     assert report["nodes"]["cache_latents"]["computed"] == 6  # 3 images and their mirrors
     assert report["nodes"]["train"]["status"] == "ran"
