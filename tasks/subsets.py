@@ -52,9 +52,10 @@ def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
         return [Subset(Path(s["dir"]), label, s["repeats"], s["caption_extension"] or ext, s["is_reg"])
                 for s, label in zip(dc["subsets"], labels)], []
     root = _root(dc["dir"])
-    folders, outside = _kohya_layout(root)
-    if folders and not outside:
-        return [Subset(path, path.name, repeats, ext) for path, repeats in folders], []
+    folders, outside, linked = _kohya_layout(root)
+    if folders and not outside:  # linked folders are never followed; a plain folder's scan lists them, say it here
+        return [Subset(path, path.name, repeats, ext) for path, repeats in folders], [
+            f"data: linked folder {name} in data.dir is not followed (its images are not trained)" for name in linked]
     warnings = []
     if folders:  # kohya would train only the N_name folders; reading everything as before loses no image
         warnings.append(f"data: data.dir has kohya N_name folders ({', '.join(p.name for p, _ in folders)}) and "
@@ -89,10 +90,10 @@ def _labels(dirs: list[Path]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}.{i}" for i, n in enumerate(names)]
 
 
-def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str]]:
-    """(the `N_name/` folders directly under root with their repeats, the entries holding images outside them).
-    Linked folders are not followed (as tasks.dataset does)."""
-    folders, outside = [], []
+def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[str]]:
+    """(the `N_name/` folders directly under root with their repeats, the entries holding images outside them,
+    the linked folders: not followed, as tasks.dataset does)."""
+    folders, outside, linked = [], [], []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):
             continue
@@ -102,9 +103,11 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str]]:
                 folders.append((entry, int(match.group(1))))
             elif _has_images(entry):
                 outside.append(entry.name + "/")
+        elif entry.is_symlink() and entry.is_dir():
+            linked.append(entry.name + "/")
         elif entry.name.lower().endswith(IMAGE_EXTS):
             outside.append(entry.name)
-    return folders, outside
+    return folders, outside, linked
 
 
 def _has_images(folder: Path) -> bool:

@@ -71,6 +71,14 @@ def test_kohya_folders_are_subsets_with_their_repeats(tmp_path):
                                                  "1_style/img_02.png": 1}
 
 
+def test_a_linked_folder_beside_kohya_folders_is_named(tmp_path):
+    root = _kohya(tmp_path / "data")
+    (root / "5_linked").symlink_to(root / "1_style")
+    _, plan = _plan(tmp_path / "store", f"data.dir={root}")
+    assert [s["repeats"] for s in plan["dataset_subsets"]] == [10, 1]
+    assert "data: linked folder 5_linked/ in data.dir is not followed (its images are not trained)" in plan["warnings"]
+
+
 def test_mixed_layout_is_one_folder_with_a_warning(tmp_path):
     root = _kohya(tmp_path / "data")
     _copy(root / "extra", ["img_03"])  # images outside any N_name folder: not a kohya layout
