@@ -74,7 +74,7 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
     lora_key = key_of(train_inputs)
     sample_keys = sample.item_keys(cfg, plan, lora_key, text_keys)
 
-    nodes = {"validate": _entry(len(plan["items"]), 0, previous.get("validate"), validate.inputs(plan))}
+    nodes = {"validate": _entry(validate.images(plan), 0, previous.get("validate"), validate.inputs(plan))}
     nodes["cache_latents"] = _entry(*_items(store, cache_latents.KIND, latent_keys.values()),
                                     previous.get("cache_latents"), cache_latents.inputs(cfg, plan),
                                     key=cache_latents.key_of_node(cfg, plan))

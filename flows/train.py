@@ -67,7 +67,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
 
     start = time.perf_counter()
     plan = validate_task(cfg)
-    checked = {"key": "", "computed": len(plan["items"]), "reused": 0, "inputs": validate.inputs(plan),
+    checked = {"key": "", "computed": validate.images(plan), "reused": 0, "inputs": validate.inputs(plan),
                "seconds": time.perf_counter() - start}
     checked["key"] = key_of(checked["inputs"])
 
@@ -95,6 +95,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
               "memory_estimate": plan["memory"], "dataset": plan["dataset"],
+              "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     path = write_report(run_dir, report)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from PIL import ImageOps
 
 from tasks.images import image_to_tensor_and_geometry, read_image
 from tasks.hashing import key_of
@@ -28,8 +29,10 @@ def params(cfg: dict, plan: dict) -> dict:
 
 
 def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
-    # A bucketed item carries its own size; the key has the size it is encoded at either way.
-    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest})
+    # A bucketed item carries its own size; the key has the size it is encoded at either way. A flipped
+    # twin (data.flip_aug) is the same bytes mirrored: "flip" in its key only, so other keys stay.
+    flip = {"flip": "horizontal"} if "flip_of" in it else {}
+    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip})
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
@@ -39,7 +42,8 @@ def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
 
 def inputs(cfg: dict, plan: dict) -> dict:
     return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]},
-            **{f"size:{it['name']}": it["size"] for it in plan["items"] if "size" in it}}
+            **{f"size:{it['name']}": it["size"] for it in plan["items"] if "size" in it},
+            **{f"flip:{it['name']}": "horizontal" for it in plan["items"] if "flip_of" in it}}
 
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
@@ -48,6 +52,8 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
     """Pixels of a batch; per item its original size and crop offsets (what the latent means) and the
     digest of the bytes decoded."""
     read = [read_image(it["image"]) for it in batch]
+    # a flipped twin is mirrored before the resize and crop: its geometry is that of the image it trains on
+    read = [(ImageOps.mirror(img) if "flip_of" in it else img, d) for (img, d), it in zip(read, batch)]
     done = [image_to_tensor_and_geometry(img, *it.get("size", size)) for (img, _), it in zip(read, batch)]
     pixels = torch.stack([p for p, _ in done])
     pixels = pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU

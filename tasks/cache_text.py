@@ -30,6 +30,11 @@ def caption_name(item: str, label: str) -> str:
     return f"caption:{item}" if label == "full.v0" else f"caption:{item}:{label}"
 
 
+def caption_owner(item: dict) -> str:
+    """The item whose cached caption texts this item trains with: a flipped twin reads its source's."""
+    return item.get("flip_of", item["name"])
+
+
 def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
     """label -> text of every caption text training reads from the cache for this item (with augmentation:
     each variant and warm-up truncation); empty when training encodes captions itself."""
@@ -42,8 +47,8 @@ def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
 def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
     """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
     augmentation variants) only when training reads them from the cache; otherwise it encodes them."""
-    texts = {caption_name(it["name"], label): text
-             for it in plan["items"] for label, text in caption_texts(cfg, plan, it).items()}
+    texts = {caption_name(it["name"], label): text for it in plan["items"] if "flip_of" not in it
+             for label, text in caption_texts(cfg, plan, it).items()}  # a flipped twin has its source's texts
     for p in plan["prompts"]:
         texts[f"prompt:{p['line']}"] = p["prompt"]
         if p["negative"]:

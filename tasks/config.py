@@ -41,8 +41,25 @@ class ModelConfig:
 
 
 @dataclass
+class SubsetConfig:
+    """One folder of data.subsets (kohya's dataset-config subsets): its images train `repeats` times per epoch."""
+    dir: str = MISSING
+    repeats: int = 1
+    caption_extension: Optional[str] = None  # None: data.caption_extension
+    # Regularisation (class) images for prior preservation: their loss is weighted by train.prior_loss_weight
+    is_reg: bool = False
+
+
+@dataclass
 class DataConfig:
     dir: str = MISSING
+    # Folders with their own repeats / caption extension / is_reg (tasks/subsets.py). When given, data.dir is
+    # not read; when empty, data.dir's `N_name/` subfolders (kohya's convention) are read as subsets.
+    subsets: List[SubsetConfig] = field(default_factory=list)
+    # true: each image's mirror image is cached as its own latent and trained as one more item
+    flip_aug: bool = False
+    # Refused when true: latents are cached once per image, so a crop drawn anew each epoch cannot be cached
+    random_crop: bool = False
     resolution: float = 64
     resolution_type: str = "pixels"  # pixels | area (megapixels)
     missing_caption: str = "error"  # error | empty
@@ -94,6 +111,8 @@ class TrainConfig:
     loss: str = "l2"
     huber_c: float = 0.1
     min_snr_gamma: Optional[float] = None
+    # kohya's --prior_loss_weight: the loss weight of regularisation images (data.subsets with is_reg: true)
+    prior_loss_weight: float = 1.0
     # peft adapter: lora | dora (LoraConfig(use_dora=True)) | loha | lokr; rslora: scale alpha/sqrt(rank)
     network: str = "lora"
     rslora: bool = False
@@ -308,4 +327,16 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict
                 plain[section][key] = str(path.resolve())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{section}.{key}={value[:200]!r}: not a usable path ({e})") from e
+    subsets = plain["data"].get("subsets") or []
+    if not isinstance(subsets, list) or not all(isinstance(x, dict) and isinstance(x.get("dir"), str) for x in subsets):
+        # an interpolation (data.subsets=${train.lr}) escapes the schema's type check
+        raise ConfigError(f"data.subsets={str(subsets)[:200]}: must be a list of {{dir, repeats, caption_extension, "
+                          "is_reg}}, e.g. 'data.subsets=[{dir: a, repeats: 2}]'")
+    for i, subset in enumerate(subsets):
+        try:
+            if "\x00" in subset["dir"]:
+                raise ValueError("embedded NUL character")
+            subset["dir"] = str((cwd / os.path.expanduser(subset["dir"])).resolve())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.subsets[{i}].dir={subset['dir'][:200]!r}: not a usable path ({e})") from e
     return plain

@@ -53,7 +53,8 @@ class _Captions:
         if self.mode != "cached":
             return self.adapter.encode_text(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
         label = augment.choose(item["caption"], self.aug, step, generator)
-        key = self.text_keys["empty" if label is None else cache_text.caption_name(item["name"], label)]
+        owner = cache_text.caption_owner(item)  # a flipped twin reads its source's cached texts
+        key = self.text_keys["empty" if label is None else cache_text.caption_name(owner, label)]
         return self.memo.get_or_load(key, lambda: self.store.get_tensors(cache_text.KIND, key))
 
 
@@ -91,12 +92,18 @@ def batch_at(step: int, groups: list[list[int]], batch_size: int, seed: int) -> 
     return batches[i]
 
 
-def buckets_of(shapes: list[tuple[int, ...]]) -> list[list[int]]:
-    """Indices grouped by latent shape (one group when every image has the training size)."""
+def buckets_of(shapes: list[tuple[int, ...]], repeats: list[int] | None = None) -> list[list[int]]:
+    """Indices grouped by latent shape (one group when every image has the training size). An item with
+    `repeats` N (data.subsets, kohya's N_name folders) is in its group N times: drawn N times per epoch."""
     groups: dict[tuple, list[int]] = {}
     for i, shape in enumerate(shapes):
-        groups.setdefault(tuple(shape), []).append(i)
+        groups.setdefault(tuple(shape), []).extend([i] * (repeats[i] if repeats else 1))
     return [groups[k] for k in sorted(groups)]
+
+
+def loss_weights(items: list[dict], prior_loss_weight: float) -> list[float]:
+    """Per item: train.prior_loss_weight for a regularisation image (is_reg), 1 otherwise (kohya's loss_weights)."""
+    return [float(prior_loss_weight) if it.get("is_reg") else 1.0 for it in items]
 
 
 MEMO_ITEMS = 4096  # per kind; about 4 GiB of 1024px Flux latents. Beyond it, items are read again as needed
@@ -155,6 +162,7 @@ class _Batch:
     generators: list[torch.Generator]
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
+    item_weights: list[float] | None = None  # per-item loss weights (reg images); None: all 1
 
 
 def overlap_loading() -> bool:
@@ -222,13 +230,15 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
                  start, start + 1, tc["max_steps"])
 
     denoiser.train()
-    batch_size, window = min(tc["batch_size"], len(names)), []
+    repeats = [it.get("repeats", 1) for it in plan["items"]]
+    weights = loss_weights(plan["items"], tc["prior_loss_weight"])
+    batch_size, window = min(tc["batch_size"], sum(repeats)), []  # an epoch draws sum(repeats) items
     if main:
         log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g, %d trainable parameters",
                  tc["max_steps"], len(names), tc["batch_size"], f" over {world} processes" if world > 1 else "",
                  tc["rank"], tc["lr"], sum(p.numel() for p in params))
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
-    groups = buckets_of(latents.shapes)
+    groups = buckets_of(latents.shapes, repeats)
     if len(groups) > 1 and main:
         log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
                  ", ".join("{}x{}: {}".format(*plan["items"][g[0]].get("size", plan["size"]), len(g)) for g in groups))
@@ -245,8 +255,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
         stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
         text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
+        item_weights = [weights[idx[j]] for j in mine]
         return _Batch(weight, gens, _pinned(torch.stack([d["latents"] for d in stored])),
-                      {k: _pinned(v) for k, v in text.items()})
+                      {k: _pinned(v) for k, v in text.items()}, None if set(item_weights) == {1.0} else item_weights)
 
     progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
     steps = list(range(start + 1, tc["max_steps"] + 1))
@@ -261,8 +272,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             weight, gens = batch.weight / accum, batch.generators
             batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
             text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
+            # reg images' weights reach the loss through the train config (tasks/models/losses.py: item_weights)
+            step_cfg = tc if batch.item_weights is None else {**tc, "item_weights": batch.item_weights}
             with accelerator.autocast():
-                part = adapter.training_loss(denoiser, batch_latents, text, tc, scheduler, gens)
+                part = adapter.training_loss(denoiser, batch_latents, text, step_cfg, scheduler, gens)
             accelerator.backward(part * weight)
             part = part.detach() * weight
             loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)

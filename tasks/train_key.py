@@ -19,7 +19,8 @@ _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port") 
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
-             ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1))
+             ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
+             ("prior_loss_weight", 1.0))
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
@@ -28,14 +29,24 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
     from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
 
-    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it)])
-             for it in plan["items"]}
+    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it),
+                                           *_draws(it)]) for it in plan["items"]}
+    unused = _unused(cfg["train"])
+    if not any(it.get("is_reg") for it in plan["items"]):  # it weighs reg images only
+        unused.add("prior_loss_weight")
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
             "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
-            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in _unused(cfg["train"])},
+            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in unused},
             **_augmentation(cfg), **_sampling(cfg), **pairs}
+
+
+def _draws(item: dict) -> list[dict]:
+    # How an item is drawn (data.subsets, kohya N_name folders), in its pair only when not the default, so
+    # the items of a plain folder keep their keys.
+    draws = {k: item[k] for k in ("repeats", "is_reg") if k in item}
+    return [draws] if draws else []
 
 
 def _unused(tc: dict) -> set[str]:
@@ -92,7 +103,8 @@ def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
     training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
     labels = cache_text.caption_texts(cfg, plan, item)
     if labels:
-        return key_of(sorted(text_keys[cache_text.caption_name(item["name"], label)] for label in labels))
+        owner = cache_text.caption_owner(item)  # a flipped twin's caption is its source's
+        return key_of(sorted(text_keys[cache_text.caption_name(owner, label)] for label in labels))
     return cache_text.text_key(cfg, plan, item["caption"])
 
 

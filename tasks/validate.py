@@ -8,9 +8,9 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks import augment, memory
+from tasks import augment, memory, subsets
 from tasks.config import ConfigError
-from tasks.dataset import SHARED_CAPTION, SKIPPED, check_dataset
+from tasks.dataset import SHARED_CAPTION, SKIPPED
 from tasks.hashing import digest_file, key_of
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
@@ -18,6 +18,7 @@ from tasks.sizes import bucket_sizes, nearest_bucket, resolve_size
 from tasks.store import Store
 
 CODE_VERSION = "1"
+FLIPPED = ":flipped"  # suffix of a flipped twin's name (data.flip_aug); no image file name ends with it
 log = logging.getLogger("loraflow")
 
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
@@ -85,6 +86,7 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("train", "noise_offset", lambda v: finite(v) and v >= 0, "a finite number >= 0 (0: off; sd-scripts uses ~0.05-0.1)"),
         ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
         ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
+        ("train", "prior_loss_weight", lambda v: finite(v) and v >= 0, "a finite number >= 0 (kohya's default 1.0)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
         ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
         ("data", "bucket_max_aspect", finite, "a finite number >= 1"),
@@ -181,7 +183,11 @@ def config_errors(cfg: dict) -> list[str]:
         errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
-    errors += _loss_and_network_errors(cfg, adapter_cls)
+    errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"])
+    if cfg["data"]["random_crop"]:
+        errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
+                      "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
+                      "aspect, or data.flip_aug=true for a cached augmentation")
     tc = cfg["text"]
     if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
         why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"
@@ -246,10 +252,15 @@ def run(cfg: dict, store: Store) -> dict:
     size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
 
     dc = cfg["data"]
-    checked = check_dataset(dc["dir"], dc["missing_caption"], dc["caption_extension"], dc["bad_files"])
-    items, dataset = checked.items, [dataclasses.asdict(f) for f in checked.findings]
+    chosen, layout_warnings = subsets.resolve(dc)
+    checked = subsets.check(dc, chosen)
+    # (item, its name, its subset) of every subset, in subset order
+    items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]
+    findings = sorted((f for _, check in checked for f in check.findings), key=lambda f: (f.file, f.reason))
+    dataset = [dataclasses.asdict(f) for f in findings]
+    dataset_subsets = [s.report(len(check.items)) for s, check in checked]
     prompts, warnings = read_prompts(cfg["sample"]["prompts_file"])
-    warnings = _dataset_warnings(dataset) + warnings
+    warnings = layout_warnings + _dataset_warnings(dataset) + warnings
     plan_prompts, size_warnings = planned_prompts(prompts, cfg["sample"]["prompts_file"], adapter_cls.size_multiple)
     warnings += size_warnings
     for w in warnings:
@@ -274,22 +285,26 @@ def run(cfg: dict, store: Store) -> dict:
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
-    plan_items = [{"name": it.name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
-                   "caption": it.caption} for it in items]
+    # repeats / is_reg only where not at their defaults: a plain folder's plan (and keys) stay as they were
+    plan_items = [{"name": name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
+                   "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
+                   **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
         buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
-        for entry, it in zip(plan_items, items):
+        for entry, (it, _, _) in zip(plan_items, items):
             entry["size"] = list(nearest_bucket(*it.size, buckets))
         counts = {}
         for entry in plan_items:
             counts[tuple(entry["size"])] = counts.get(tuple(entry["size"]), 0) + 1
         log.info("validate: %d bucket(s): %s", len(counts),
                  ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items())))
+    if dc["flip_aug"]:  # the mirror image: one more item, its own latent, its source's caption texts
+        plan_items += [{**entry, "name": entry["name"] + FLIPPED, "flip_of": entry["name"]} for entry in plan_items]
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
-             len(plan_items), len(plan_prompts), model_dir, family, *size)
+             len(items), len(plan_prompts), model_dir, family, *size)
     return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
-            "dataset": dataset}
+            "dataset": dataset, "dataset_subsets": dataset_subsets}
 
 
 def pipeline_options(model_dir) -> dict:
@@ -319,6 +334,11 @@ def _dataset_warnings(dataset: list[dict]) -> list[str]:
         warnings.append(f"data: images with the same stem share one caption file, each trained with it: "
                         f"{', '.join(shared)}")
     return warnings
+
+
+def images(plan: dict) -> int:
+    """The items validate checked: a flipped twin (data.flip_aug) is its source image again."""
+    return sum("flip_of" not in it for it in plan["items"])
 
 
 def inputs(plan: dict) -> dict:

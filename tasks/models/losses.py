@@ -45,17 +45,29 @@ def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.T
     raise ValueError(f"train.min_snr_gamma: no min-SNR weighting for prediction_type {prediction_type!r}")
 
 
+def item_weighted(per_item: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+    """The batch mean of per-item losses, each times its `item_weights` entry when the train loop sets them
+    (train.prior_loss_weight for regularisation images, kohya's loss * loss_weights then mean)."""
+    weights = train_cfg.get("item_weights")
+    if weights is not None:
+        per_item = per_item * torch.tensor(weights, dtype=per_item.dtype, device=per_item.device)
+    return per_item.mean()
+
+
 def ddpm_loss(pred, target, train_cfg: dict, scheduler, timesteps) -> torch.Tensor:
     """The epsilon / v-prediction families' mean loss (SD1.5, SDXL)."""
     gamma = train_cfg.get("min_snr_gamma")
-    if train_cfg.get("loss", "l2") == "l2" and gamma is None:
+    if train_cfg.get("loss", "l2") == "l2" and gamma is None and train_cfg.get("item_weights") is None:
         return F.mse_loss(pred.float(), target.float(), reduction="mean")  # the examples' loss, unchanged
     per_item = elementwise(pred, target, train_cfg).mean(dim=list(range(1, pred.ndim)))
     if gamma is not None:
         per_item = per_item * min_snr_weights(scheduler, timesteps, float(gamma)).to(per_item.device)
-    return per_item.mean()
+    return item_weighted(per_item, train_cfg)
 
 
 def flow_loss(pred, target, weighting: torch.Tensor, train_cfg: dict) -> torch.Tensor:
     """The flow-matching families' mean loss (Flux, SD3), weighted per item by the weighting scheme."""
-    return (weighting.float() * elementwise(pred, target, train_cfg)).reshape(pred.shape[0], -1).mean()
+    loss = (weighting.float() * elementwise(pred, target, train_cfg)).reshape(pred.shape[0], -1)
+    if train_cfg.get("item_weights") is None:
+        return loss.mean()  # as before, bit for bit
+    return item_weighted(loss.mean(dim=1), train_cfg)
