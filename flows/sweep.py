@@ -85,12 +85,33 @@ def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str],
     nodes = report.get("nodes", {})
     if error:
         entry["error"] = error
+    validation = report.get("validation_loss") or []
     entry.update(status=status or "completed", report=str(report_path),
-                 final_loss=loss[-1]["loss"] if loss else None, lora=artifacts.get("lora"),
+                 final_loss=loss[-1]["loss"] if loss else None, objective=objective(report_path),
+                 final_validation_loss=validation[-1]["loss"] if validation else None, lora=artifacts.get("lora"),
                  grid=artifacts.get("grid"), lora_key=nodes.get("train", {}).get("key"),
                  nodes={n: {k: nodes[n].get(k) for k in ("status", "computed", "reused", "seconds")}
                         for n in NODES if n in nodes})
     return entry
+
+
+def objective(report_path: str | Path) -> float | None:
+    """A member's score for hydra/sweeper=optuna (minimised): its last validation loss when the run has a
+    validation split, else its final training loss (a window's mean, as logged)."""
+    try:
+        report = json.loads(Path(report_path).read_text())
+    except (OSError, ValueError):
+        return None
+    curve = report.get("validation_loss") or report.get("loss") or []
+    return float(curve[-1]["loss"]) if curve else None
+
+
+def seed_optuna(argv: list[str], seed: int = 0) -> None:
+    """`hydra/sweeper=optuna` proposes the same trials for the same command: its sampler is seeded (0)
+    unless `hydra.sweeper.sampler.seed=` is given."""
+    if any(a.replace("hydra/sweeper=", "", 1) == "optuna" for a in argv if a.startswith("hydra/sweeper=")) and \
+            not any(a.startswith("hydra.sweeper.sampler.seed=") for a in argv):
+        argv.append(f"hydra.sweeper.sampler.seed={seed}")
 
 
 def member_failed(out_dir: str | Path, error: BaseException) -> dict:
@@ -122,7 +143,12 @@ def _one_line(text: str) -> str:
 def summarise(sweep_dir: Path, members: list[dict], swept: list[str]) -> dict:
     ok = [m for m in members if m.get("final_loss") is not None]
     best = min(ok, key=lambda m: m["final_loss"]) if ok else None
+    scored = [m for m in members if m.get("objective") is not None]
+    best_trial = min(scored, key=lambda m: m["objective"]) if scored else None
     return {"sweep_dir": str(sweep_dir), "swept_keys": swept, "members": members,
+            # the member with the lowest objective (validation loss where there is one): optuna's best trial
+            "best": best_trial and {"member": best_trial["member"], "objective": best_trial["objective"],
+                                    "overrides": best_trial["swept"] or best_trial["overrides"]},
             "lowest_final_loss": best and {"member": best["member"], "final_loss": best["final_loss"],
                                            "swept": best["swept"]}}
 
@@ -157,6 +183,9 @@ def to_markdown(summary: dict) -> str:
             counts.append(f"{e['status']} ({e['computed']} computed, {e['reused']} reused)" if e else "-")
         lines.append(f"| {m['member']} | {shown} | {loss} | {link(m['lora'], 'lora')} | {link(m['grid'], 'grid')} | "
                      f"{link(m['report'], 'report.json')} | " + " | ".join(counts) + " |")
+    if summary.get("best") and any(m.get("final_validation_loss") is not None for m in summary["members"]):
+        b = summary["best"]
+        lines += ["", f"Lowest validation loss: member {b['member']} ({b['objective']:.4f}, {' '.join(b['overrides'])})."]
     best = summary["lowest_final_loss"]
     if best:
         lines += ["", f"Lowest final loss: member {best['member']} ({best['final_loss']:.4f}, "

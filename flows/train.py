@@ -157,7 +157,7 @@ def _hydra_main() -> None:
     console.shield_temporary_server()
 
     @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-    def main(cfg) -> None:
+    def main(cfg) -> float | dict | None:
         for noisy in ("httpx", "httpcore"):  # Hydra's job logging turns on INFO for every library
             logging.getLogger(noisy).setLevel(logging.WARNING)
         hc = HydraConfig.get()
@@ -179,7 +179,9 @@ def _hydra_main() -> None:
                 return sweep.member_failed(hc.runtime.output_dir, e)
             raise
         print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
+        return sweep.objective(out["report"])  # what hydra/sweeper=optuna minimises
 
+    sweep.seed_optuna(sys.argv)  # hydra/sweeper=optuna: a seeded sampler unless the command line seeds it
     main()
     if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)
         names = ", ".join(m["member"] for m in sweep.failed_members)
