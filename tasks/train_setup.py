@@ -67,6 +67,20 @@ def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
 
 
+def make_ema(tc: dict, named: dict) -> dict | None:
+    """train.ema_decay: the EMA of the LoRA weights, starting at their initial values (None: off)."""
+    if tc.get("ema_decay") is None:
+        return None
+    return {n: p.detach().clone() for n, p in named.items()}
+
+
+@torch.no_grad()
+def update_ema(ema: dict, named: dict, decay: float) -> None:
+    """After an optimizer step: ema = decay * ema + (1 - decay) * w, for every LoRA weight (fp32, in place)."""
+    for n, p in named.items():
+        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
 def prepare_denoiser(adapter, cfg: dict):
     """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
     checkpointing. Returns (denoiser, {name: trainable parameter})."""

@@ -86,6 +86,7 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("train", "noise_offset", lambda v: finite(v) and v >= 0, "a finite number >= 0 (0: off; sd-scripts uses ~0.05-0.1)"),
         ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
         ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
+        ("train", "ema_decay", lambda v: finite(v) and 0 < v < 1, "in (0, 1), e.g. 0.999, or null (off)"),
         ("train", "prior_loss_weight", lambda v: finite(v) and v >= 0, "a finite number >= 0 (kohya's default 1.0)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
         ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
