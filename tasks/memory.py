@@ -127,7 +127,8 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
     optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc["optimizer"], 8)
-    lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param)  # fp32 weights + grads + optimizer states
+    ema_bytes = 4 if tc.get("ema_decay") is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
+    lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
     tokens, width, blocks = activation_geometry(config, size, text_tokens)
     act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
     unit = tokens * width * act_dtype * tc["batch_size"]
