@@ -1,12 +1,16 @@
-"""Training checkpoints in the store: LoRA weights, AdamW state and the torch RNG state as safetensors (no
-pickle), the losses so far, the samples rendered so far and the fp16 loss scaler's state (its scale and
-growth tracker: without them a resumed fp16 run starts again from the initial scale) as JSON metadata.
+"""Training checkpoints in the store: LoRA weights, the optimizer's tensor state, the EMA of the LoRA weights
+(train.ema_decay) and the torch RNG state as safetensors (no pickle); the losses so far, the samples rendered
+so far, the fp16 loss scaler's state (its scale and growth tracker: without them a resumed fp16 run starts
+again from the initial scale) and the optimizer's plain numbers as JSON metadata: per-parameter ones (a
+Python int step) and per-group ones (Prodigy's d, d_max, d_numerator, k ...), which a float32 tensor would
+round.
 
 A checkpoint is keyed by the training *trajectory* (every input that shapes steps 1..k, tasks/train.py)
 and its step, so a run whose max_steps grew, or one that was killed, continues from the latest one."""
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -35,32 +39,56 @@ def latest_checkpoint(store: Store, trajectory: str, max_steps: int, discard: bo
     return 0
 
 
+# The schedule sets the learning rate at every step (and after a resume); it is not restored.
+_SCHEDULED = ("params", "lr", "initial_lr")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, step_losses: list[float],
-                    samples: dict, scaler=None) -> None:
-    tensors = {"rng/torch": torch.get_rng_state()}
+                    samples: dict, scaler=None, ema=None) -> None:
+    tensors, numbers = {"rng/torch": torch.get_rng_state()}, {}
     for name, p in named.items():
         tensors[f"lora/{name}"] = p.detach().clone()
         for k, v in optimizer.state.get(p, {}).items():
-            tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
+            if torch.is_tensor(v):
+                tensors[f"adam/{name}/{k}"] = v.detach().clone()
+            elif _number(v):  # a Python number stays one (an int step, a float: exact in JSON)
+                numbers.setdefault(name, {})[k] = v
+        if ema is not None:
+            tensors[f"ema/{name}"] = ema[name].detach().clone()
     meta = {"step": step, "losses": step_losses, "samples": samples}
     if scaler is not None and scaler.is_enabled():
         meta["loss_scaler"] = scaler.state_dict()  # plain numbers: scale, growth factors, tracker
+    if numbers:
+        meta["optimizer_numbers"] = numbers
+    meta["optimizer_groups"] = [{k: v for k, v in g.items() if k not in _SCHEDULED and _number(v)}
+                                for g in optimizer.param_groups]
     store.put_tensors(KIND, key, tensors, meta=meta)
 
 
-def load_checkpoint(store: Store, key: str, named: dict, optimizer, scaler=None) -> dict:
-    """Restores the LoRA weights, optimizer state, RNG state and loss scaler in place; returns the metadata."""
+def load_checkpoint(store: Store, key: str, named: dict, optimizer, scaler=None, ema=None) -> dict:
+    """Restores the LoRA weights, optimizer state, EMA weights, RNG state and loss scaler in place; returns
+    the metadata."""
     tensors = store.get_tensors(KIND, key)
+    meta = store.meta(KIND, key)
+    numbers = meta.get("optimizer_numbers", {})
     with torch.no_grad():
         for name, p in named.items():
             p.copy_(tensors[f"lora/{name}"])
             # moments follow the parameter's device; the step count stays a CPU scalar, as AdamW keeps it
             state = {k.rsplit("/", 1)[1]: v.to(p.device) if v.dim() else v
                      for k, v in tensors.items() if k.startswith(f"adam/{name}/")}
+            state.update(numbers.get(name, {}))
             if state:
                 optimizer.state[p] = state
+            if ema is not None:
+                ema[name].copy_(tensors[f"ema/{name}"])
+    for group, saved in zip(optimizer.param_groups, meta.get("optimizer_groups", [])):
+        group.update(saved)
     torch.set_rng_state(tensors["rng/torch"])
-    meta = store.meta(KIND, key)
     if scaler is not None and scaler.is_enabled() and meta.get("loss_scaler"):
         scaler.load_state_dict(meta["loss_scaler"])
     return meta

@@ -116,6 +116,9 @@ class TrainConfig:
     # peft adapter: lora | dora (LoraConfig(use_dora=True)) | loha | lokr; rslora: scale alpha/sqrt(rank)
     network: str = "lora"
     rslora: bool = False
+    # An exponential moving average of the LoRA weights (ema = decay * ema + (1 - decay) * w after each
+    # optimizer step), kept in checkpoints and exported beside the plain LoRA; null: off
+    ema_decay: Optional[float] = None
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False

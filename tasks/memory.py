@@ -124,8 +124,11 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     weight_bytes = stored_weight_bytes(shapes, mc["dtype"], mc["storage_dtype"],
                                        layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)))
     lora = _lora_params(shapes, targets, tc["rank"])
-    optimizer_bytes_per_param = 2 if tc["optimizer"] == "adamw8bit" else 8
-    lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param)  # fp32 weights + grads + optimizer states
+    # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
+    # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
+    optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc["optimizer"], 8)
+    ema_bytes = 4 if tc.get("ema_decay") is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
+    lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
     tokens, width, blocks = activation_geometry(config, size, text_tokens)
     act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
     unit = tokens * width * act_dtype * tc["batch_size"]
@@ -153,6 +156,7 @@ def available_gb() -> tuple[float, str]:
     return float("inf"), "unknown"
 
 
+_OPTIMIZER_BYTES = {"adamw8bit": 2, "lion8bit": 1, "prodigy": 16, "adafactor": 1}
 # What a user can change, in the order people try them.
 REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpointing"), True),
             ("train.optimizer=adamw8bit", ("train", "optimizer"), "adamw8bit"),

@@ -2,7 +2,8 @@
 
 Both exported files are derived from the stored diffusers LoRA (what training and sampling use) and are
 themselves store entries, keyed by the LoRA's key, the format and the converter's version, so each is
-converted once: the kohya file, and the diffusers file with alpha/rank baked into lora_B (export.bake_alpha)."""
+converted once: the kohya file, and the diffusers file with alpha/rank baked into lora_B (export.bake_alpha).
+With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers)."""
 from __future__ import annotations
 
 import shutil
@@ -65,6 +66,10 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     if fmt in ("kohya", "both"):
         files["kohya"] = lora_dir / "lora_kohya.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
+    if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout, whatever export.format
+        files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"
+        ema = {"key": key_of({"lora_ema": lora["key"]}), "lora": lora["lora_ema"]}
+        shutil.copyfile(diffusers_file(store, ema), files["ema"])
     out = run_dir / "samples"
     out.mkdir(exist_ok=True)
     paths = []

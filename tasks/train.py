@@ -26,11 +26,13 @@ from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
-from tasks.train_setup import make_accelerator, make_optimizer, precision, prepare_denoiser, seed_everything
+from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, seed_everything,
+                               update_ema)
 
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
+EMA_KIND = "lora_ema"  # train.ema_decay: the EMA LoRA, under the train key
 log = logging.getLogger("loraflow")
 
 class _Captions:
@@ -209,6 +211,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     params = list(named.values())
     denoiser.to(accelerator.device)
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, params))
+    ema = make_ema(tc, named)  # train.ema_decay (None: off)
     lr_schedule = get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
@@ -219,7 +222,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
-        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, accelerator.scaler)
+        restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, accelerator.scaler,
+                                     ema)
         step_losses = list(restored["losses"])
         sampler.rendered = {k: v for k, v in restored.get("samples", {}).items() if sampler.due(int(k))}
         with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
@@ -284,6 +288,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         if tc["max_grad_norm"] > 0:
             accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()
+        if ema is not None:
+            update_ema(ema, named, tc["ema_decay"])
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         step_losses.append(loss.item())
@@ -302,7 +308,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         every, stop = tc["save_every_n_steps"], interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
         if ((every and step % every == 0) or step == tc["max_steps"] or stop) and main:
             _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, step_losses,
-                             sampler.rendered, accelerator.scaler)
+                             sampler.rendered, accelerator.scaler, ema)
         if stop:
             interrupt.kept(f"a checkpoint of train step {step}/{tc['max_steps']}")
             raise interrupt.Interrupted(stop)
@@ -315,8 +321,22 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v
               for k, v in denoiser.peft_config["default"].to_dict().items()}
     lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
-    return {"lora": lora, "step_losses": step_losses, "continued_from_step": start,
+    extra = {"lora_ema": str(_save_ema(adapter, denoiser, named, ema, out_dir / "ema", config))} if ema else {}
+    return {"lora": lora, **extra, "step_losses": step_losses, "continued_from_step": start,
             "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings}
+
+
+@torch.no_grad()
+def _save_ema(adapter, denoiser, named: dict, ema: dict, out_dir: Path, config: dict) -> Path:
+    """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while it is written."""
+    plain = {n: p.detach().clone() for n, p in named.items()}
+    try:
+        for n, p in named.items():
+            p.copy_(ema[n])
+        return adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
+    finally:
+        for n, p in named.items():
+            p.copy_(plain[n])
 
 
 def _sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
@@ -340,6 +360,9 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
     if status.reused and checkpoint_samples.repair(store, KIND, key, trajectory_key(node_inputs, cfg["train"]),
                                                    cfg["train"]["max_steps"]):
         status.reused, status.missing, status.repaired = [], [key], [key]
+    ema = cfg["train"].get("ema_decay") is not None
+    if ema and status.reused and not store.valid(EMA_KIND, key):  # made again from the last checkpoint
+        status.reused, status.missing, status.repaired = [], [key], [key] if store.exists(EMA_KIND, key) else []
     resumed = None
     if status.missing:
         trajectory = trajectory_key(node_inputs, cfg["train"])
@@ -356,13 +379,18 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                                                  trajectory, run_dir, on_samples)
             if out is not None:
                 canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
+                ema_file = out.pop("lora_ema", None)
+                if ema_file:  # stored before the LoRA: a stored LoRA of an EMA run has its EMA
+                    canonicalize_safetensors(Path(ema_file))
+                    store.put_file(EMA_KIND, key, ema_file, meta={"lora": key, "ema_decay": cfg["train"]["ema_decay"]})
                 store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
         resumed = (out or {}).get("continued_from_step") or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
                        losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
                        continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
-                       sample_warnings=meta.get("sample_warnings", []))
+                       sample_warnings=meta.get("sample_warnings", []),
+                       **({"lora_ema": str(store.get_path(EMA_KIND, key))} if ema else {}))
 
 
 def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:

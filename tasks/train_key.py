@@ -20,7 +20,7 @@ SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
              ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
-             ("prior_loss_weight", 1.0))
+             ("prior_loss_weight", 1.0), ("ema_decay", None))
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:

@@ -40,14 +40,45 @@ def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
 
 
 def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
-    if tc["optimizer"] == "adamw8bit":
+    """train.optimizer: adamw (torch), adamw8bit / lion8bit (bitsandbytes, CUDA only), prodigy (prodigyopt: it
+    estimates the step size itself, train.lr=1.0 is its usual setting), adafactor (transformers', with a
+    fixed train.lr as sd-scripts documents: no relative step, no parameter scaling, no warm-up)."""
+    name, lr, wd = tc["optimizer"], tc["lr"], tc["weight_decay"]
+    if name in ("adamw8bit", "lion8bit"):
         try:
             import bitsandbytes as bnb
         except ImportError as e:
-            raise ValueError("train.optimizer=adamw8bit needs bitsandbytes and a CUDA GPU (pip install "
+            raise ValueError(f"train.optimizer={name} needs bitsandbytes and a CUDA GPU (pip install "
                              "bitsandbytes); on this machine use train.optimizer=adamw") from e
-        return bnb.optim.AdamW8bit(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
-    return torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+        make = bnb.optim.AdamW8bit if name == "adamw8bit" else bnb.optim.Lion8bit
+        return make(params, lr=lr, weight_decay=wd)
+    if name == "prodigy":
+        try:
+            from prodigyopt import Prodigy
+        except ImportError as e:
+            raise ValueError("train.optimizer=prodigy needs prodigyopt (pip install prodigyopt); "
+                             "or use train.optimizer=adamw") from e
+        return Prodigy(params, lr=lr, weight_decay=wd)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, weight_decay=wd, scale_parameter=False, relative_step=False,
+                         warmup_init=False)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+
+
+def make_ema(tc: dict, named: dict) -> dict | None:
+    """train.ema_decay: the EMA of the LoRA weights, starting at their initial values (None: off)."""
+    if tc.get("ema_decay") is None:
+        return None
+    return {n: p.detach().clone() for n, p in named.items()}
+
+
+@torch.no_grad()
+def update_ema(ema: dict, named: dict, decay: float) -> None:
+    """After an optimizer step: ema = decay * ema + (1 - decay) * w, for every LoRA weight (fp32, in place)."""
+    for n, p in named.items():
+        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
 def prepare_denoiser(adapter, cfg: dict):

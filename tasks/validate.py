@@ -25,7 +25,7 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("constant", "constant_with_warmup", "linear", "cosine"), ("train", "weighting_scheme"):
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
-            ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit"),
+            ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
             ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),
             ("train", "network"): ("lora", "dora", "loha", "lokr")}
@@ -86,6 +86,7 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("train", "noise_offset", lambda v: finite(v) and v >= 0, "a finite number >= 0 (0: off; sd-scripts uses ~0.05-0.1)"),
         ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
         ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
+        ("train", "ema_decay", lambda v: finite(v) and 0 < v < 1, "in (0, 1), e.g. 0.999, or null (off)"),
         ("train", "prior_loss_weight", lambda v: finite(v) and v >= 0, "a finite number >= 0 (kohya's default 1.0)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
         ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
@@ -130,15 +131,21 @@ def _check_device(cfg: dict) -> list[str]:
         why = "train.mixed_precision=bf16 contradicts it" if mp == "bf16" else "that needs a CUDA GPU"
         errors.append(f"model.dtype=float16 trains with fp16 loss scaling and {why}; use model.dtype=bfloat16 "
                       "or float32" + (" (or train.mixed_precision=fp16 / no)" if cuda else ""))
-    if cfg["train"]["optimizer"] == "adamw8bit":
+    optimizer = cfg["train"]["optimizer"]
+    if optimizer in ("adamw8bit", "lion8bit"):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            errors.append("train.optimizer=adamw8bit needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU; "
-                          "use train.optimizer=adamw")
+            errors.append(f"train.optimizer={optimizer} needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU; "
+                          "use train.optimizer=adamw" + (" (or prodigy, adafactor)" if optimizer == "lion8bit" else ""))
         else:
             if not cuda:
-                errors.append("train.optimizer=adamw8bit needs a CUDA GPU; on the CPU use train.optimizer=adamw")
+                errors.append(f"train.optimizer={optimizer} needs a CUDA GPU; on the CPU use train.optimizer=adamw")
+    if optimizer == "prodigy":
+        try:
+            import prodigyopt  # noqa: F401
+        except ImportError:
+            errors.append("train.optimizer=prodigy needs prodigyopt (pip install prodigyopt); or use train.optimizer=adamw")
     storage = cfg["model"].get("storage_dtype")
     if storage not in (None, "float8_e4m3fn", "float8_e5m2"):
         errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")

@@ -189,13 +189,15 @@ SENSIBLE = {
     "train.warmup_steps": lambda v: v >= 0, "train.max_grad_norm": _fin, "train.logit_mean": _fin,
     "train.logit_std": lambda v: _fin(v) and v >= 0, "train.mode_scale": lambda v: _fin(v) and -1 <= v <= 1.76,
     "train.guidance": lambda v: _fin(v) and v >= 0, "train.memory_limit_gb": lambda v: v is None or _fin(v) and v > 0,
-    "train.save_every_n_steps": lambda v: v >= 0, "train.optimizer": _in("adamw", "adamw8bit"),
+    "train.save_every_n_steps": lambda v: v >= 0,
+    "train.optimizer": _in("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
     "train.lr_scheduler": _in("constant", "constant_with_warmup", "linear", "cosine"),
     "train.weighting_scheme": _in("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"),
     "train.mixed_precision": _in("no", "bf16", "fp16"), "train.resume": _in("auto", "never"),
     "train.noise_offset": lambda v: _fin(v) and v >= 0, "train.huber_c": lambda v: _fin(v) and v > 0,
     "train.loss": _in("l2", "huber"), "train.network": _in("lora", "dora"),  # loha/lokr: refused (no loader)
     "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
+    "train.ema_decay": lambda v: v is None or _fin(v) and 0 < v < 1,
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
     "model.family": _in("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"), "model.seed": lambda v: 0 <= v < 2**64,
     "model.max_sequence_length": lambda v: 1 <= v <= 512,
@@ -214,7 +216,8 @@ GOOD = ["train.lr=1e-4", "train.seed=4294967295", "train.alpha=null", "train.alp
         "train.memory_limit_gb=8", "train.max_grad_norm=0", "data.resolution=1024", "data.resolution_type=area", "data.resolution=16384",
         "data.caption_dropout_rate=1", "text.variants=1000", "sample.steps=1000", "sample.seed=18446744073709551615",
         "sample.width=16384", "sample.cfg=0", "model.max_sequence_length=512", "model.seed=0", "export.format=kohya",
-        "train.noise_offset=0.1", "train.loss=huber", "train.huber_c=0.5", "train.rslora=true"]
+        "train.noise_offset=0.1", "train.loss=huber", "train.huber_c=0.5", "train.rslora=true",
+        "train.ema_decay=0.999", "train.ema_decay=null", "train.optimizer=prodigy", "train.optimizer=adafactor"]
 VALUES = st.one_of(
     st.integers(-10**40, 10**40).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
