@@ -36,13 +36,15 @@ def latest_checkpoint(store: Store, trajectory: str, max_steps: int, discard: bo
 
 
 def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, step_losses: list[float],
-                    samples: dict, scaler=None) -> None:
+                    samples: dict, scaler=None, validation_loss: list[dict] | None = None) -> None:
     tensors = {"rng/torch": torch.get_rng_state()}
     for name, p in named.items():
         tensors[f"lora/{name}"] = p.detach().clone()
         for k, v in optimizer.state.get(p, {}).items():
             tensors[f"adam/{name}/{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone()
     meta = {"step": step, "losses": step_losses, "samples": samples}
+    if validation_loss is not None:  # data.validation_split: the curve so far, for a resumed run's report
+        meta["validation_loss"] = validation_loss
     if scaler is not None and scaler.is_enabled():
         meta["loss_scaler"] = scaler.state_dict()  # plain numbers: scale, growth factors, tracker
     store.put_tensors(KIND, key, tensors, meta=meta)
