@@ -119,3 +119,18 @@ def test_sweep_summary_shows_the_final_validation_loss(tmp_path):
     assert [m["final_validation_loss"] for m in summary["members"]] == [0.25, None]
     md = (sweep / "summary.md").read_text()
     assert "| validation loss |" in md and "| 0.5000 | 0.2500 |" in md and "| 0.5000 | - |" in md
+
+
+def test_the_flow_reports_and_logs_the_validation_loss(workspace):
+    """Through the flow: report.json's validation_loss, TensorBoard's scalar; [] when off."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert workspace.run("train.max_steps=2")["validation_loss"] == []
+    report = workspace.run("train.max_steps=4", "data.validation_split=0.25", "train.validate_every_n_steps=2")
+    assert report["nodes"]["train"]["status"] == "ran"
+    assert report["nodes"]["cache_latents"]["computed"] == 0  # the held-out images were cached already
+    assert [v["step"] for v in report["validation_loss"]] == [2, 4]
+    events = EventAccumulator(str(next(Path(report["artifacts"]["tensorboard"]).rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value, rel=1e-5)) for e in events.Scalars("validation_loss")] == [
+        (v["step"], v["loss"]) for v in report["validation_loss"]]
