@@ -134,3 +134,28 @@ def test_the_flow_reports_and_logs_the_validation_loss(workspace):
     events.Reload()
     assert [(e.step, pytest.approx(e.value, rel=1e-5)) for e in events.Scalars("validation_loss")] == [
         (v["step"], v["loss"]) for v in report["validation_loss"]]
+
+
+def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
+    """The last validation loss equals validation.score on the final checkpoint's LoRA weights."""
+    from tasks.checkpoints import KIND, checkpoint_key
+    from tasks.models import make_adapter
+    from tasks.train_setup import make_accelerator, precision, prepare_denoiser
+
+    cfg, plan, store, lat, txt = _plan(tmp_path / "s", "data.validation_split=0.25", "train.max_steps=3")
+    out = train.run(cfg, plan, store, lat, txt)
+    adapter = make_adapter(cfg["model"], plan["model_dir"])
+    denoiser, named = prepare_denoiser(adapter, cfg)
+    trajectory = train.trajectory_key(train.inputs(cfg, plan, lat, txt), cfg["train"])
+    stored = store.get_tensors(KIND, checkpoint_key(trajectory, 3))
+    for name, p in named.items():
+        p.data.copy_(stored[f"lora/{name}"])
+    denoiser.train()  # as in the training loop
+    held = plan["validation_items"]
+    texts = train._Captions(cfg, {**plan, "items": [it for n in held for it in plan["items"] if it["name"] == n]},
+                            store, adapter, txt)
+    value = validation.score(adapter, denoiser, make_accelerator(precision(cfg)), held,
+                             train._Latents(store, [lat[n] for n in held]), texts, cfg["train"],
+                             adapter.load_train_scheduler())
+    assert out["validation_loss"] == [{"step": 3, "loss": pytest.approx(value, rel=1e-6)}]
+    assert denoiser.training  # put back in train mode
