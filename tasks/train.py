@@ -222,8 +222,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     held = plan.get("validation_items", [])  # data.validation_split: scored, never drawn (repeats 0)
     if held:
         val_latents = _Latents(store, [latent_keys[n] for n in held])  # own memos: the loader thread has its own
-        val_texts = copy.copy(texts)
-        val_texts.items, val_texts.memo = [next(it for it in plan["items"] if it["name"] == n) for n in held], _Memo(MEMO_ITEMS)
+        by_name = {it["name"]: it for it in plan["items"]}
+        val_texts = copy.copy(texts)  # the same encoders (fresh draws), its own memo
+        val_texts.items, val_texts.memo = [by_name[n] for n in held], _Memo(MEMO_ITEMS)
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
