@@ -81,6 +81,7 @@ def member_summary(out_dir: Path, overrides: list[str] | None, swept: list[str],
         entry.update(status="failed", error=error or f"no report at {report_path}")
         return entry
     loss = report.get("loss") or []
+    validation = report.get("validation_loss") or []
     artifacts = report.get("artifacts", {})
     nodes = report.get("nodes", {})
     if error:
@@ -166,22 +167,23 @@ def to_markdown(summary: dict) -> str:
     base = Path(summary["sweep_dir"])
     lines = [f"# Sweep summary: {base}", "",
              f"Swept: {', '.join(summary['swept_keys']) or '(nothing)'}; {len(summary['members'])} member(s).", "",
-             "| member | overrides | final loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
-             "|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
+             "| member | overrides | final loss | validation loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
     for m in summary["members"]:
         shown = " ".join(f"`{o}`" for o in (m["swept"] or m["overrides"])) or "-"
         if m.get("flow_run_id"):
             shown += f" (flow run `{m['flow_run_id']}`, {m.get('state', '?')})"
         if m["status"] == "failed":
-            lines.append(f"| {m['member']} | {shown} | failed: {_one_line(m.get('error', '')).replace('|', '/')} | | | |" + " |" * (len(NODES) - 1))
+            lines.append(f"| {m['member']} | {shown} | failed: {_one_line(m.get('error', '')).replace('|', '/')} | | | | |" + " |" * (len(NODES) - 1))
             continue
         loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"
+        val = f"{m['final_validation_loss']:.4f}" if m.get("final_validation_loss") is not None else "-"
         link = lambda p, label: f"[{label}]({_rel(p, base)})" if p else "-"  # noqa: E731
         counts = []
         for n in NODES[1:]:
             e = m["nodes"].get(n)
             counts.append(f"{e['status']} ({e['computed']} computed, {e['reused']} reused)" if e else "-")
-        lines.append(f"| {m['member']} | {shown} | {loss} | {link(m['lora'], 'lora')} | {link(m['grid'], 'grid')} | "
+        lines.append(f"| {m['member']} | {shown} | {loss} | {val} | {link(m['lora'], 'lora')} | {link(m['grid'], 'grid')} | "
                      f"{link(m['report'], 'report.json')} | " + " | ".join(counts) + " |")
     if summary.get("best") and any(m.get("final_validation_loss") is not None for m in summary["members"]):
         b = summary["best"]

@@ -94,6 +94,8 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                             # the steps trained in this run (none when the train node was cached)
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
+              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/validation.py)
+              "validation_loss": lora.get("validation_loss", []),
               "memory_estimate": plan["memory"], "dataset": plan["dataset"],
               "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}

@@ -48,7 +48,7 @@ def _number(v) -> bool:
 
 
 def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, step_losses: list[float],
-                    samples: dict, scaler=None, ema=None) -> None:
+                    samples: dict, scaler=None, ema=None, validation_loss: list[dict] | None = None) -> None:
     tensors, numbers = {"rng/torch": torch.get_rng_state()}, {}
     for name, p in named.items():
         tensors[f"lora/{name}"] = p.detach().clone()
@@ -60,6 +60,8 @@ def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, s
         if ema is not None:
             tensors[f"ema/{name}"] = ema[name].detach().clone()
     meta = {"step": step, "losses": step_losses, "samples": samples}
+    if validation_loss is not None:  # data.validation_split: the curve so far, for a resumed run's report
+        meta["validation_loss"] = validation_loss
     if scaler is not None and scaler.is_enabled():
         meta["loss_scaler"] = scaler.state_dict()  # plain numbers: scale, growth factors, tracker
     if numbers:

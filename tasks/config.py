@@ -71,6 +71,9 @@ class DataConfig:
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False
     bucket_max_aspect: float = 2.0
+    # Validation loss (tasks/validation.py): this fraction of the images, a fixed seeded choice, is held out:
+    # cached like the others, never trained on, scored at fixed timesteps and noise. 0: off.
+    validation_split: float = 0.0
     # Caption augmentation, kohya meanings; all of it works with the text cache (see text.variants).
     caption_dropout_rate: float = 0.0
     shuffle_caption: bool = False
@@ -125,6 +128,8 @@ class TrainConfig:
     memory_limit_gb: Optional[float] = None  # preflight budget; None: the device's free memory
     mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs CUDA), through accelerate
     save_every_n_steps: int = 0  # 0: a checkpoint at the last step only
+    # With data.validation_split: the held-out loss every N steps (0: at the last step only); not in the key
+    validate_every_n_steps: int = 0
     # auto: continue from the latest stored checkpoint of the same trajectory (an interrupted run, or a
     # run whose max_steps grew); never: always start from step 0
     resume: str = "auto"

@@ -3,6 +3,7 @@
 The VAE and the text encoders are never loaded here: every batch comes from the store."""
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -16,7 +17,7 @@ from diffusers.optimization import get_scheduler
 from peft.utils import get_peft_model_state_dict
 from tqdm.auto import tqdm
 
-from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt
+from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt, validation
 from tasks.checkpoint_samples import CheckpointSampler, to_tensorboard
 from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
@@ -99,7 +100,9 @@ def buckets_of(shapes: list[tuple[int, ...]], repeats: list[int] | None = None) 
     `repeats` N (data.subsets, kohya's N_name folders) is in its group N times: drawn N times per epoch."""
     groups: dict[tuple, list[int]] = {}
     for i, shape in enumerate(shapes):
-        groups.setdefault(tuple(shape), []).extend([i] * (repeats[i] if repeats else 1))
+        n = repeats[i] if repeats else 1
+        if n:  # 0: never drawn (a held-out item, data.validation_split)
+            groups.setdefault(tuple(shape), []).extend([i] * n)
     return [groups[k] for k in sorted(groups)]
 
 
@@ -218,13 +221,20 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 
     sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,
                                 [to_tensorboard(accelerator), *(on_samples or [])])
-    step_losses, start = [], 0
+    step_losses, start, val_losses = [], 0, []
+    held = plan.get("validation_items", [])  # data.validation_split: scored, never drawn (repeats 0)
+    if held:
+        val_latents = _Latents(store, [latent_keys[n] for n in held])  # own memos: the loader thread has its own
+        by_name = {it["name"]: it for it in plan["items"]}
+        val_texts = copy.copy(texts)  # the same encoders (fresh draws), its own memo
+        val_texts.items, val_texts.memo = [by_name[n] for n in held], _Memo(MEMO_ITEMS)
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
         restored = _load_checkpoint(store, checkpoint_key(trajectory, start), named, optimizer, accelerator.scaler,
                                      ema)
         step_losses = list(restored["losses"])
+        val_losses = [v for v in restored.get("validation_loss", []) if v["step"] <= start]
         sampler.rendered = {k: v for k, v in restored.get("samples", {}).items() if sampler.due(int(k))}
         with warnings.catch_warnings():  # stepping the schedule to where it was, without optimizer steps
             warnings.simplefilter("ignore", UserWarning)
@@ -234,12 +244,12 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
                  start, start + 1, tc["max_steps"])
 
     denoiser.train()
-    repeats = [it.get("repeats", 1) for it in plan["items"]]
+    repeats = [0 if it["name"] in held else it.get("repeats", 1) for it in plan["items"]]
     weights = loss_weights(plan["items"], tc["prior_loss_weight"])
     batch_size, window = min(tc["batch_size"], sum(repeats)), []  # an epoch draws sum(repeats) items
     if main:
         log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g, %d trainable parameters",
-                 tc["max_steps"], len(names), tc["batch_size"], f" over {world} processes" if world > 1 else "",
+                 tc["max_steps"], len(names) - len(held), tc["batch_size"], f" over {world} processes" if world > 1 else "",
                  tc["rank"], tc["lr"], sum(p.numel() for p in params))
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
     groups = buckets_of(latents.shapes, repeats)
@@ -305,10 +315,16 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             window = []
         if sampler.due(step) and main:
             sampler(step, denoiser, checkpoint_key(trajectory, step))
+        if held and main and validation.due(step, tc["validate_every_n_steps"], tc["max_steps"]):
+            value = validation.score(adapter, denoiser, accelerator, held, val_latents, val_texts, tc, scheduler)
+            val_losses.append({"step": step, "loss": value})
+            accelerator.log({"validation_loss": value}, step=step)
+            log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,
+                     tc["max_steps"], value, len(held), validation.DRAWS)
         every, stop = tc["save_every_n_steps"], interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
         if ((every and step % every == 0) or step == tc["max_steps"] or stop) and main:
             _save_checkpoint(store, checkpoint_key(trajectory, step), step, named, optimizer, step_losses,
-                             sampler.rendered, accelerator.scaler, ema)
+                             sampler.rendered, accelerator.scaler, ema, val_losses if held else None)
         if stop:
             interrupt.kept(f"a checkpoint of train step {step}/{tc['max_steps']}")
             raise interrupt.Interrupted(stop)
@@ -323,7 +339,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
     extra = {"lora_ema": str(_save_ema(adapter, denoiser, named, ema, out_dir / "ema", config))} if ema else {}
     return {"lora": lora, **extra, "step_losses": step_losses, "continued_from_step": start,
-            "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings}
+            "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings,
+            **({"validation_loss": val_losses} if held else {})}
 
 
 @torch.no_grad()
@@ -390,6 +407,7 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                        losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
                        continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
                        sample_warnings=meta.get("sample_warnings", []),
+                       validation_loss=meta.get("validation_loss", []),
                        **({"lora_ema": str(store.get_path(EMA_KIND, key))} if ema else {}))
 
 

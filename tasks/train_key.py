@@ -15,7 +15,9 @@ FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key o
 # (sample.every_n_steps stays in: a checkpoint of a run that did not sample has no samples to carry on.)
 _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_steps", "train.resume")
 # Settings that change nothing the node stores (where the loss curve is logged).
-_NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port")  # (every machine: one key)
+# validate_every_n_steps changes no weight: the validation losses are stored with the LoRA as computed.
+_NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port",  # (every machine: one key)
+            "validate_every_n_steps")
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
@@ -29,8 +31,12 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
     from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
 
-    pairs = {f"item:{it['name']}": key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it),
-                                           *_draws(it)]) for it in plan["items"]}
+    held = set(plan.get("validation_items", []))  # data.validation_split: scored, never trained
+
+    def pair(it):
+        return key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it), *_draws(it)])
+
+    pairs = {f"item:{it['name']}": pair(it) for it in plan["items"] if it["name"] not in held}
     unused = _unused(cfg["train"])
     if not any(it.get("is_reg") for it in plan["items"]):  # it weighs reg images only
         unused.add("prior_loss_weight")
@@ -39,7 +45,18 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in unused},
-            **_augmentation(cfg), **_sampling(cfg), **pairs}
+            **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **pairs}
+
+
+def _validation(cfg: dict, plan: dict, pair) -> dict:
+    # The held-out items (their losses are stored with the LoRA), only when data.validation_split is set.
+    from tasks.validation import DRAWS, VALIDATION_SEED
+
+    held = set(plan.get("validation_items", []))
+    if not held:
+        return {}
+    return {"validation": {"split": cfg["data"]["validation_split"], "seed": VALIDATION_SEED, "draws": DRAWS,
+                           "items": {it["name"]: pair(it) for it in plan["items"] if it["name"] in held}}}
 
 
 def _draws(item: dict) -> list[dict]:

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks import augment, memory, subsets
+from tasks import augment, memory, subsets, validation
 from tasks.config import ConfigError
 from tasks.dataset import SHARED_CAPTION, SKIPPED
 from tasks.hashing import digest_file, key_of
@@ -190,7 +190,7 @@ def config_errors(cfg: dict) -> list[str]:
         errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
-    errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"])
+    errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
     if cfg["data"]["random_crop"]:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
@@ -309,7 +309,11 @@ def run(cfg: dict, store: Store) -> dict:
         plan_items += [{**entry, "name": entry["name"] + FLIPPED, "flip_of": entry["name"]} for entry in plan_items]
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(items), len(plan_prompts), model_dir, family, *size)
-    return {"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
+    held = validation.held_out(plan_items, dc["validation_split"])  # cached like the others, never trained
+    if held:
+        log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
+                 len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
+    return {**({"validation_items": held} if held else {}),"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
             "dataset": dataset, "dataset_subsets": dataset_subsets}
 

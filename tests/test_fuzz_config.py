@@ -204,6 +204,7 @@ SENSIBLE = {
     "data.resolution": lambda v: _fin(v) and 16 <= v <= 16384 and v % 16 == 0,
     "data.resolution_type": _in("pixels", "area"), "data.missing_caption": _in("error", "empty"),
     "data.bucket_max_aspect": lambda v: _fin(v) and v >= 1,
+    "data.validation_split": lambda v: _fin(v) and 0 <= v < 1, "train.validate_every_n_steps": lambda v: v >= 0,
     "data.caption_dropout_rate": lambda v: 0 <= v <= 1, "data.caption_tag_dropout_rate": lambda v: 0 <= v <= 1,
     "data.keep_tokens": lambda v: v >= 0, "data.token_warmup_step": lambda v: _fin(v) and v >= 0,
     "data.token_warmup_min": lambda v: v >= 0, "text.variants": lambda v: 1 <= v <= 1000,
