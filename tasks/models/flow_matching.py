@@ -1,11 +1,14 @@
-"""Flow-matching pieces shared by Flux and SD3 (diffusers' dreambooth LoRA examples for both)."""
+"""Flow-matching pieces shared by the transformer families (Flux, SD3, Z-Image, Qwen-Image, FLUX.2): noise,
+timestep draws and loss (diffusers' dreambooth LoRA examples), the LoRA file and the sampler."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+from tasks.models.base import FamilyAdapter
 from tasks.models.losses import flow_loss, offset_noise
 
 
@@ -52,3 +55,23 @@ def shifted_sigmas(u: torch.Tensor, mode: str, shift: float, latent_hw) -> torch
         mu = calculate_shift((latent_hw[0] // 2) * (latent_hw[1] // 2))
         return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
     raise ValueError(f"train.timestep_sampling={mode!r}: choose sigma, uniform, shift or flux_shift")
+
+
+class TransformerAdapter(FamilyAdapter):
+    """What every flow-matching transformer family does the same way: the diffusers LoRA file of its transformer,
+    and a sampler built from its pipeline without the text encoders (it samples from cached embeddings)."""
+    flow_matching = True
+    sample_parts: dict  # from_pretrained arguments that leave the text encoders and tokenizers out
+
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
+        self.pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                            transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def load_sampler(self, lora_file, denoiser=None):
+        pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser),
+                                                 **self.sample_parts)
+        if lora_file is not None:
+            pipe.load_lora_weights(str(lora_file))
+        pipe.set_progress_bar_config(disable=True)
+        return self.place(pipe, denoiser)

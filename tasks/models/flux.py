@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -20,16 +18,16 @@ _WARNED: set[str] = set()  # texts already warned about (training may encode a c
 _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, **_SAFE)
 
 
-class FluxAdapter(FamilyAdapter):
+class FluxAdapter(TransformerAdapter):
     family = "flux"
     pipeline_cls, denoiser_cls, denoiser_subfolder = FluxPipeline, FluxTransformer2DModel, "transformer"
+    sample_parts = _SAMPLE_PARTS
     single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16
-    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
@@ -108,19 +106,7 @@ class FluxAdapter(FamilyAdapter):
         pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
-        FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
-                                   transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        pipe = FluxPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
-        if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
-        pipe.set_progress_bar_config(disable=True)
-        return self.place(pipe, denoiser)
-
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Flux-dev's guidance is distilled (`guidance`); real CFG only when the prompt has a negative.

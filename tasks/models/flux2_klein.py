@@ -5,13 +5,11 @@ Follows diffusers' Flux2KleinPipeline. FLUX.2 [dev] (Mistral Small 3.1 text enco
 covered by this adapter."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 
-from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 _SAFE = dict(use_safetensors=True)
 _TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
@@ -19,16 +17,16 @@ _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 P = Flux2KleinPipeline
 
 
-class Flux2KleinAdapter(FamilyAdapter):
+class Flux2KleinAdapter(TransformerAdapter):
     family = "flux2_klein"
     pipeline_cls, denoiser_cls, denoiser_subfolder = Flux2KleinPipeline, Flux2Transformer2DModel, "transformer"
+    sample_parts = _SAMPLE_PARTS
     single_file_holds = "denoiser"
     latent_components = ("vae",)
     text_components = ("tokenizer", "text_encoder")
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
-    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
@@ -84,19 +82,7 @@ class Flux2KleinAdapter(FamilyAdapter):
         pred = pred[:, : packed.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
-        Flux2KleinPipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
-                                             transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        pipe = Flux2KleinPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
-        if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
-        pipe.set_progress_bar_config(disable=True)
-        return self.place(pipe, denoiser)
-
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (the pipeline's guidance_scale, on above 1 for the undistilled base

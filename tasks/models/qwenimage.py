@@ -5,29 +5,27 @@ flow matching with true CFG. Follows diffusers' QwenImagePipeline and its LoRA e
 (examples/dreambooth/train_dreambooth_lora_qwen_image.py)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 
-from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 _SAFE = dict(use_safetensors=True)
 _TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
 _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 
 
-class QwenImageAdapter(FamilyAdapter):
+class QwenImageAdapter(TransformerAdapter):
     family = "qwenimage"
     pipeline_cls, denoiser_cls, denoiser_subfolder = QwenImagePipeline, QwenImageTransformer2DModel, "transformer"
+    sample_parts = _SAMPLE_PARTS
     single_file_holds = "denoiser"  # e.g. qwen_image_bf16.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "text_encoder")
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
-    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
@@ -84,19 +82,7 @@ class QwenImageAdapter(FamilyAdapter):
         pred = QwenImagePipeline._unpack_latents(pred, h * vae_scale, w * vae_scale, vae_scale)[:, :, 0]
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
-        QwenImagePipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
-                                            transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        pipe = QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
-        if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
-        pipe.set_progress_bar_config(disable=True)
-        return self.place(pipe, denoiser)
-
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # True CFG at `true_cfg` (the pipeline's true_cfg_scale, on when > 1) against the prompt's negative,

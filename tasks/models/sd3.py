@@ -2,13 +2,11 @@
 flow matching. Training follows diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -17,16 +15,16 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None
                      tokenizer=None, tokenizer_2=None, tokenizer_3=None, **_SAFE)
 
 
-class SD3Adapter(FamilyAdapter):
+class SD3Adapter(TransformerAdapter):
     family = "sd3"
     pipeline_cls, denoiser_cls, denoiser_subfolder = StableDiffusion3Pipeline, SD3Transformer2DModel, "transformer"
+    sample_parts = _SAMPLE_PARTS
     single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
-    flow_matching = True
 
     # The SD3 LoRA example's --precondition_outputs (default 1): the loss compares x0 estimates
     # (x_t - sigma * v against x0) rather than velocities; that is the velocity loss weighted by sigma^2.
@@ -86,20 +84,7 @@ class SD3Adapter(FamilyAdapter):
             target = noise - latents  # velocity from data to noise
         return weighted_loss(pred, target, sigmas, train_cfg)
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
-        StableDiffusion3Pipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
-                                                   transformer_lora_adapter_metadata=lora_config,
-                                                   safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        pipe = StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
-        if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
-        pipe.set_progress_bar_config(disable=True)
-        return self.place(pipe, denoiser)
-
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (SD3 has no distilled guidance, so `true_cfg` is unused). The unconditional

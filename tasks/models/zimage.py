@@ -6,14 +6,12 @@ predicts the negative of the velocity the other flow-matching families predict."
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
-from tasks.models.base import FamilyAdapter
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
@@ -26,16 +24,16 @@ class _TextEncoders:
         self.tokenizer, self.text_encoder = tokenizer, text_encoder
 
 
-class ZImageAdapter(FamilyAdapter):
+class ZImageAdapter(TransformerAdapter):
     family = "zimage"
     pipeline_cls, denoiser_cls, denoiser_subfolder = ZImagePipeline, ZImageTransformer2DModel, "transformer"
+    sample_parts = _SAMPLE_PARTS
     single_file_holds = "denoiser"  # e.g. z_image_turbo_bf16.safetensors: the transformer only
     latent_components = ("vae",)
     text_components = ("tokenizer", "text_encoder")
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
-    flow_matching = True
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
@@ -107,19 +105,7 @@ class ZImageAdapter(FamilyAdapter):
         pred = -torch.stack(out).squeeze(2)  # the pipeline negates the output: noise - x0, the velocity
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
-        ZImagePipeline.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
-                                         transformer_lora_adapter_metadata=lora_config, safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        pipe = ZImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **_SAMPLE_PARTS)
-        if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
-        pipe.set_progress_bar_config(disable=True)
-        return self.place(pipe, denoiser)
-
     @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (the pipeline's guidance_scale: pos + g * (pos - neg), off at 0, as
