@@ -27,8 +27,8 @@ from tasks.items import check_items, node_result, prefetch
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
-from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, seed_everything,
-                               update_ema)
+from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
+                               seed_everything, sum_gradients, update_ema)
 
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
@@ -294,7 +294,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             part = part.detach() * weight
             loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)
         if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
-            _sum_gradients(accelerator, params)
+            sum_gradients(accelerator, params)
         if tc["max_grad_norm"] > 0:
             accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
         optimizer.step()
@@ -337,32 +337,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v
               for k, v in denoiser.peft_config["default"].to_dict().items()}
     lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
-    extra = {"lora_ema": str(_save_ema(adapter, denoiser, named, ema, out_dir / "ema", config))} if ema else {}
+    extra = {"lora_ema": str(save_ema(adapter, denoiser, named, ema, out_dir / "ema", config))} if ema else {}
     return {"lora": lora, **extra, "step_losses": step_losses, "continued_from_step": start,
             "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings,
             **({"validation_loss": val_losses} if held else {})}
-
-
-@torch.no_grad()
-def _save_ema(adapter, denoiser, named: dict, ema: dict, out_dir: Path, config: dict) -> Path:
-    """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while it is written."""
-    plain = {n: p.detach().clone() for n, p in named.items()}
-    try:
-        for n, p in named.items():
-            p.copy_(ema[n])
-        return adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
-    finally:
-        for n, p in named.items():
-            p.copy_(plain[n])
-
-
-def _sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
-    """One all-reduce of every LoRA gradient (the LoRA is small; no DDP wrapper, so the adapters keep
-    calling the model itself and reading its config)."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    flat = accelerator.reduce(flat, reduction="sum")
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p.grad))
 
 
 def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
 
 from tasks.fp8_base import store_base_low
 from tasks.memory import layerwise_skip_patterns, lora_targets
@@ -106,3 +107,25 @@ def prepare_denoiser(adapter, cfg: dict):
     if tc["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
     return denoiser, named
+
+
+@torch.no_grad()
+def save_ema(adapter, denoiser, named: dict, ema: dict, out_dir: Path, config: dict) -> Path:
+    """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while it is written."""
+    plain = {n: p.detach().clone() for n, p in named.items()}
+    try:
+        for n, p in named.items():
+            p.copy_(ema[n])
+        return adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
+    finally:
+        for n, p in named.items():
+            p.copy_(plain[n])
+
+
+def sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
+    """One all-reduce of every LoRA gradient (the LoRA is small; no DDP wrapper, so the adapters keep
+    calling the model itself and reading its config)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = accelerator.reduce(flat, reduction="sum")
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
