@@ -95,6 +95,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
         del encoders
     captions = sum(n.startswith("caption:") for n in texts)
     live = {"text_encoding": te_lora.LIVE} if te_lora.enabled(cfg) else {}  # report: nodes.cache_text
+    if live:
+        log.info("cache_text: nothing to encode: text encoding is %s", te_lora.LIVE)
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan), caption_texts=captions,
                        distinct_texts=len(set(keys.values())), **live)
 

@@ -34,6 +34,13 @@ def errors(cfg: dict, adapter_cls) -> list[str]:
         out.append(f"train.text_encoder_lr={lr}: train.text_encoder_lr is supported for sd15/sdxl (their CLIP text "
                    f"encoders, as sd-scripts and diffusers train them); model.family={family} trains its denoiser "
                    "only: set train.text_encoder_lr=null")
+    if cfg["train"]["network"] == "dora":
+        # diffusers 0.42.1 + transformers 5 load a text encoder's DoRA magnitudes under the wrong name (peft's
+        # `lora_magnitude_vector` vs the expected `...lora_magnitude_vector.weight`): they would be re-initialised
+        out.append(f"train.text_encoder_lr={lr} with train.network=dora: diffusers' load_lora_weights does not "
+                   "restore a text encoder's DoRA magnitudes (they load re-initialised), so the samples and the "
+                   "exported file would not be what was trained; use train.network=lora, or "
+                   "train.text_encoder_lr=null")
     if cfg["text"]["offload_encoders"]:
         out.append(f"train.text_encoder_lr={lr} with text.offload_encoders=true: the train node trains the text "
                    "encoders, so it must load them; drop one of the two")
@@ -51,7 +58,7 @@ def peft_config(module) -> dict:
 
 def add_lora(adapter, pipe, tc: dict) -> dict:
     """peft LoRA layers (fp32) on each trained text encoder of `pipe` (the pipeline the live path loaded),
-    with the denoiser's rank, alpha, network and rslora; returns {"<component>.<name>": parameter}. Called
+    with the denoiser's rank, alpha and rslora; returns {"<component>.<name>": parameter}. Called
     after the denoiser's LoRA is made, so that one is initialised as in a run without this setting."""
     from peft import LoraConfig
 
@@ -62,7 +69,7 @@ def add_lora(adapter, pipe, tc: dict) -> dict:
         encoder.requires_grad_(False)
         encoder.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
                                        target_modules=list(adapter.text_encoder_lora_targets),
-                                       use_dora=tc.get("network", "lora") == "dora", use_rslora=bool(tc.get("rslora"))))
+                                       use_rslora=bool(tc.get("rslora"))))  # (DoRA refused: see errors)
         if tc["gradient_checkpointing"]:
             encoder.gradient_checkpointing_enable()
         encoder.train()

@@ -49,11 +49,9 @@ class _Captions:
         self.aug = cache_text.caption_aug(cfg)
         self.mode = augment.text_mode(te_lora.text_settings(cfg), self.aug)
         self.adapter, self.memo = adapter, _Memo(MEMO_ITEMS)  # many variants of big T5 states: bounded
-        self.encoders = self.trained = None
-        if self.mode != "cached":
-            self.encoders = adapter.load_text_encoders()
-            self.trained = self.encoders if te_lora.enabled(cfg) else None
-            self.encode = adapter.encode_text_live if self.trained is not None else adapter.encode_text
+        self.encoders = adapter.load_text_encoders() if self.mode != "cached" else None
+        self.trained = self.encoders if te_lora.enabled(cfg) else None  # train.text_encoder_lr (mode: live)
+        self.encode = adapter.encode_text_live if self.trained is not None else adapter.encode_text
 
     def get(self, i: int, step: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         item = self.items[i]
@@ -255,9 +253,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     weights = loss_weights(plan["items"], tc["prior_loss_weight"])
     batch_size, window = min(tc["batch_size"], sum(repeats)), []  # an epoch draws sum(repeats) items
     if main:
-        log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g, %d trainable parameters",
+        log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g%s, %d trainable parameters",
                  tc["max_steps"], len(names) - len(held), tc["batch_size"], f" over {world} processes" if world > 1 else "",
-                 tc["rank"], tc["lr"], sum(p.numel() for p in params))
+                 tc["rank"], tc["lr"], "" if encoders is None else f" (text encoders: {tc['text_encoder_lr']:g})",
+                 sum(p.numel() for p in params))
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
     groups = buckets_of(latents.shapes, repeats)
     if len(groups) > 1 and main:

@@ -20,6 +20,7 @@ from tasks.report import node_entry
 from tasks.store import Store
 
 TE = "train.text_encoder_lr=0.05"  # high, so a few steps change the encoders' outputs visibly
+RUN = (TE, "train.save_every_n_steps=2", "sample.every_n_steps=2")  # the shared run: checkpoints, samples at 2, 4
 PROMPT = "a red circle on a blue background"
 
 
@@ -40,8 +41,8 @@ def _run(root, *extra, family="sd15", samples=False):
 
 @pytest.fixture(scope="module")
 def sd15(tmp_path_factory):
-    """A TE-LoRA run of tiny SD1.5 (4 steps, checkpoint at 2) with its samples."""
-    return _run(tmp_path_factory.mktemp("te") / "store", TE, "train.save_every_n_steps=2", samples=True)
+    """A TE-LoRA run of tiny SD1.5 (4 steps; checkpoints and samples at steps 2 and 4) with its samples."""
+    return _run(tmp_path_factory.mktemp("te") / "store", *RUN, samples=True)
 
 
 def test_config_refuses_bad_values_and_other_families():
@@ -57,6 +58,8 @@ def test_config_refuses_bad_values_and_other_families():
         assert "train.text_encoder_lr=null" in errors[0]
     errors = validate.config_errors(_cfg("model=tiny_sd15", TE, "text.offload_encoders=true"))
     assert len(errors) == 1 and "text.offload_encoders=true" in errors[0]
+    errors = validate.config_errors(_cfg("model=tiny_sd15", TE, "train.network=dora", "export.format=diffusers"))
+    assert len(errors) == 1 and "train.network=dora" in errors[0] and "magnitudes" in errors[0]
 
 
 def test_keys_off_unchanged_on_with_encoders(sd15):
@@ -95,8 +98,8 @@ def test_resume_from_a_checkpoint_is_exact(sd15, tmp_path):
     groups = store.meta(checkpoints.KIND, checkpoints.checkpoint_key(trajectory, 2))["optimizer_groups"]
     assert len(groups) == 2
 
-    _run(tmp_path, TE, "train.save_every_n_steps=2", "train.max_steps=2")  # stopped at the step-2 checkpoint
-    continued = _run(tmp_path, TE, "train.save_every_n_steps=2")["lora"]
+    _run(tmp_path, *RUN, "train.max_steps=2")  # stopped at the step-2 checkpoint
+    continued = _run(tmp_path, *RUN)["lora"]
     assert continued["continued_from_step"] == 2
     assert Path(continued["lora"]).read_bytes() == Path(lora["lora"]).read_bytes()
 
@@ -133,7 +136,7 @@ def _pipe(plan, adapter_cls, lora=None):
 def test_exported_files_change_the_encoders_alike(family, sd15, tmp_path):
     from tasks.models import adapter_class
 
-    run = sd15 if family == "sd15" else _run(tmp_path / "store", TE, "train.alpha=2", family="sdxl")
+    run = sd15 if family == "sd15" else _run(tmp_path / "store", TE, "train.alpha=2", "train.rslora=true", family="sdxl")
     cfg, plan, store, lora = run["cfg"], run["plan"], run["store"], run["lora"]
     diffusers_file, kohya = publish.diffusers_file(store, lora), publish.kohya_file(cfg, plan, store, lora)
     components = ("text_encoder",) if family == "sd15" else ("text_encoder", "text_encoder_2")
@@ -150,9 +153,11 @@ def test_exported_files_change_the_encoders_alike(family, sd15, tmp_path):
     cls = adapter_class(family)
     base = _encode(_pipe(plan, cls))
     by_diffusers, by_kohya = _encode(_pipe(plan, cls, diffusers_file)), _encode(_pipe(plan, cls, kohya))
+    trained = _encode(_pipe(plan, cls, lora["lora"]))  # the stored (unbaked) file, as the sample node loads it
     assert len(base) == len(components)  # SD1.5: the embeddings; SDXL: embeddings and pooled
-    for b, d, k in zip(base, by_diffusers, by_kohya):
+    for b, t, d, k in zip(base, trained, by_diffusers, by_kohya):
         assert (d - b).abs().max() > 1e-3  # the trained encoders' LoRA changes the outputs
+        torch.testing.assert_close(d, t, rtol=1e-4, atol=1e-5)  # alpha (and rslora) baked in alike
         torch.testing.assert_close(k, d, rtol=1e-4, atol=1e-5)
     if family == "sdxl":  # each encoder's own LoRA: CLIP-G's alone changes the pooled output
         pooled = _encode(_pipe(plan, cls, {k: v for k, v in load_file(str(diffusers_file)).items()
@@ -179,3 +184,7 @@ def test_samples_are_rendered_with_the_trained_encoders(sd15):
     assert np.abs(got.astype(int) - render(lora["lora"])).max() <= 1
     unet_only = {k: v for k, v in load_file(lora["lora"]).items() if k.startswith("unet.")}
     assert np.abs(got.astype(int) - render(unet_only)).max() > 1
+    # samples during training encode with the encoders as they are: at the last step, the sample node's image
+    assert lora["sample_warnings"] == [] and set(lora["checkpoint_samples"]) == {"2", "4"}
+    during = next(e for e in lora["checkpoint_samples"]["4"] if e["line"] == p["line"])
+    assert np.abs(np.asarray(Image.open(during["path"])).astype(int) - got).max() <= 1
