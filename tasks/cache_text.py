@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from tasks import augment
+from tasks import text_encoder_lora as te_lora
 from tasks.hashing import digest_text, key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
 from tasks.models import make_adapter
@@ -39,14 +40,17 @@ def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
     """label -> text of every caption text training reads from the cache for this item (with augmentation:
     each variant and warm-up truncation); empty when training encodes captions itself."""
     aug = caption_aug(cfg)
-    if augment.text_mode(cfg["text"], aug) != "cached":
+    if augment.text_mode(te_lora.text_settings(cfg), aug) != "cached":
         return {}
     return augment.cached_texts(item["caption"], aug, cfg["text"]["variants_seed"])
 
 
 def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
     """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
-    augmentation variants) only when training reads them from the cache; otherwise it encodes them."""
+    augmentation variants) only when training reads them from the cache; otherwise it encodes them. None
+    with train.text_encoder_lr: train and sample encode every text with the encoders being trained."""
+    if te_lora.enabled(cfg):
+        return {}
     texts = {caption_name(it["name"], label): text for it in plan["items"] if "flip_of" not in it
              for label, text in caption_texts(cfg, plan, it).items()}  # a flipped twin has its source's texts
     for p in plan["prompts"]:
@@ -90,8 +94,11 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
         log.info("cache_text: encoded %d text(s), reused %d", len(status.missing), len(status.reused))
         del encoders
     captions = sum(n.startswith("caption:") for n in texts)
+    live = {"text_encoding": te_lora.LIVE} if te_lora.enabled(cfg) else {}  # report: nodes.cache_text
+    if live:
+        log.info("cache_text: nothing to encode: text encoding is %s", te_lora.LIVE)
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan), caption_texts=captions,
-                       distinct_texts=len(set(keys.values())))
+                       distinct_texts=len(set(keys.values())), **live)
 
 
 def key_of_node(cfg: dict, plan: dict) -> str:

@@ -90,9 +90,11 @@ def to_tensorboard(accelerator) -> Callable[[int, list[str]], None]:
 
 class CheckpointSampler:
     def __init__(self, cfg: dict, plan: dict, store: Store, adapter, samples_dir: Path | None = None,
-                 on_rendered: list[Callable[[int, list[str]], None]] | None = None):
+                 on_rendered: list[Callable[[int, list[str]], None]] | None = None, live_text: Callable | None = None):
         """`samples_dir`: the run's samples folder, filled as each point is rendered; `on_rendered`:
-        called with (step, published paths) after that (failures are warnings)."""
+        called with (step, published paths) after that (failures are warnings); `live_text`: text -> its
+        tensors from the encoders being trained (train.text_encoder_lr), used instead of the text cache."""
+        self.live_text = live_text
         self.cfg, self.plan, self.store, self.adapter = cfg, plan, store, adapter
         self.samples_dir, self.on_rendered = samples_dir, list(on_rendered or [])
         self.every = int(cfg["sample"]["every_n_steps"])
@@ -145,6 +147,8 @@ class CheckpointSampler:
 
     def _text_keys(self, step: int, texts: set[str]) -> dict[str, str]:
         keys = {t: cache_text.text_key(self.cfg, self.plan, t) for t in texts}
+        if self.live_text:  # encoded at render time by the trained encoders; the keys name the texts only
+            return keys
         new = [t for t, k in keys.items() if not self.store.valid(cache_text.KIND, k)]
         if new:  # encoders loaded for this sample point only
             encoders = self.adapter.load_text_encoders()
@@ -158,7 +162,7 @@ class CheckpointSampler:
     def _render(self, step: int, denoiser, state_key: str) -> list[dict]:
         prompts = self._prompts(step)
         keys = self._text_keys(step, {p["prompt"] for p in prompts} | {p["negative"] for p in prompts} | {""})
-        tensors = lambda text: self.store.get_tensors(cache_text.KIND, keys[text])  # noqa: E731
+        tensors = self.live_text or (lambda text: self.store.get_tensors(cache_text.KIND, keys[text]))
         pipe, entries = None, []
         for p in prompts:
             s = sample.settings(self.cfg, self.plan, p)

@@ -122,6 +122,9 @@ class TrainConfig:
     # An exponential moving average of the LoRA weights (ema = decay * ema + (1 - decay) * w after each
     # optimizer step), kept in checkpoints and exported beside the plain LoRA; null: off
     ema_decay: Optional[float] = None
+    # A LoRA on the text encoders too (SD1.5/SDXL; kohya's --text_encoder_lr), in its own optimizer group at
+    # this lr; captions are then encoded live (tasks/text_encoder_lora.py). null: off, only the denoiser trains
+    text_encoder_lr: Optional[float] = None
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False

@@ -5,7 +5,9 @@ Kohya layout: one entry per *original-checkpoint* Linear, `<name>.lora_down.weig
 W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes:
 
 - sd15: `lora_unet_<diffusers name>` (sd-scripts' SD1 UNet uses diffusers module names), via diffusers'
-  own `convert_state_dict_to_kohya`.
+  own `convert_state_dict_to_kohya`. A text-encoder LoRA (train.text_encoder_lr) is `lora_te_<transformers
+  name>` (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`), SDXL's two `lora_te1_` / `lora_te2_`: the
+  names sd-scripts' networks.lora writes, which diffusers' `_convert_non_diffusers_lora_to_diffusers` reads.
 - sdxl: the same converter, then SGM block names (`input_blocks_4_1_...`), as sd-scripts' SDXL LoRAs use;
   A1111, ComfyUI and diffusers (`_maybe_map_sgm_blocks_to_diffusers`) load them.
 - flux: BFL names (`lora_unet_double_blocks_0_img_attn_qkv`, `..._single_blocks_0_linear1`), i.e.
@@ -110,6 +112,8 @@ _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "
          "flux2_klein": ("networks.lora_flux2", "flux2_klein")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
 _NAMED = ("zimage", "qwenimage")
+# Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)
+_TE_PREFIX = {"sd15": {"text_encoder": "lora_te"}, "sdxl": {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}}
 
 
 def _check_family(family: str) -> str:
@@ -196,25 +200,34 @@ def _unet_to_kohya(family, peft_state_dict, alpha):
     return out
 
 
-def _named_to_kohya(pairs, alpha):
+def _named_to_kohya(pairs, alpha, prefix="lora_unet"):
     out = {}
     for module, (down, up) in pairs.items():
-        name = "lora_unet_" + module.replace(".", "_")
+        name = f"{prefix}_" + module.replace(".", "_")
         out[f"{name}.lora_down.weight"] = down.contiguous()
         out[f"{name}.lora_up.weight"] = up.contiguous()
         out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
 
 
-def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict."""
+def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float,
+             text_encoders: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict.
+    `text_encoders`: {pipeline component: its peft state dict} (train.text_encoder_lr, same rank and alpha)."""
     _check_family(family)
     pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
     if family in ("sdxl", "sd15"):
-        return _unet_to_kohya(family, peft_state_dict, alpha)
-    if family in _NAMED:
-        return _named_to_kohya(pairs, alpha)
-    return _transformer_to_kohya(family, pairs, rank, alpha)
+        out = _unet_to_kohya(family, peft_state_dict, alpha)
+    elif family in _NAMED:
+        out = _named_to_kohya(pairs, alpha)
+    else:
+        out = _transformer_to_kohya(family, pairs, rank, alpha)
+    for component, state_dict in (text_encoders or {}).items():
+        prefix = _TE_PREFIX.get(family, {}).get(component)
+        if prefix is None:
+            raise ValueError(f"{family}: no kohya name for a LoRA on {component}")
+        out.update(_named_to_kohya(_pairs(state_dict, rank), alpha, prefix))  # transformers' names, "." -> "_"
+    return out
 
 
 def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, str]:
@@ -228,9 +241,9 @@ def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, st
     return meta
 
 
-def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str]) -> Path:
+def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str], text_encoders=None) -> Path:
     """Write `to_kohya(...)` with `metadata` to `path` atomically."""
-    return _write(path, to_kohya(family, peft_state_dict, rank, alpha), metadata)
+    return _write(path, to_kohya(family, peft_state_dict, rank, alpha, text_encoders), metadata)
 
 
 def bake_alpha(state_dict: dict[str, torch.Tensor], metadata: dict[str, str]):

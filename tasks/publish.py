@@ -26,6 +26,16 @@ def peft_from_diffusers(state_dict: dict) -> dict:
     return {k.split(".", 1)[1]: v for k, v in state_dict.items()}
 
 
+def split_text_encoders(state_dict: dict) -> tuple[dict, dict[str, dict]]:
+    """A diffusers file's tensors -> (the denoiser's peft state dict, {text_encoder[_2]: its peft state dict})."""
+    text = {}
+    for k, v in state_dict.items():
+        component, rest = k.split(".", 1)
+        if component.startswith("text_encoder"):  # train.text_encoder_lr
+            text.setdefault(component, {})[rest] = v
+    return peft_from_diffusers({k: v for k, v in state_dict.items() if not k.startswith("text_encoder")}), text
+
+
 def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
     tc = cfg["train"]
     key = key_of({"lora": lora["key"], "format": "kohya", "code": export.CODE_VERSION})
@@ -35,13 +45,16 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
             alpha = alpha * tc["rank"] ** 0.5
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
         config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
+        te_lr = {"ss_text_encoder_lr": tc["text_encoder_lr"]} if tc.get("text_encoder_lr") is not None else {}
         metadata = export.kohya_metadata(
             plan["family"], tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
             ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
-            ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
+            ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"],
+            **te_lr)
+        denoiser, text_encoders = split_text_encoders(load_file(lora["lora"]))
         with store.tmp_dir("publish") as tmp:
-            path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"],
-                                     peft_from_diffusers(load_file(lora["lora"])), tc["rank"], alpha, metadata)
+            path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
+                                     alpha, metadata, text_encoders)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(KOHYA_KIND, key)
 

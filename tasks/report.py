@@ -15,7 +15,9 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             "computed": result["computed"], "reused": result["reused"], "seconds": round(result["seconds"], 3),
             "changed": changed_inputs(previous_inputs, result["inputs"]), "repaired": result.get("repaired", []),
             **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {}),
-            **({"workers": result["workers"]} if "workers" in result else {})}  # caching: {worker: items computed}
+            **({"workers": result["workers"]} if "workers" in result else {}),  # caching: {worker: items computed}
+            # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/text_encoder_lora.py)
+            **({"text_encoding": result["text_encoding"]} if "text_encoding" in result else {})}
 
 
 def readable_changes(changed: list[str], prompts_file: str, caption_extension: str = ".txt", limit: int = 6) -> str:

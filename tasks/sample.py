@@ -1,4 +1,5 @@
-"""Node sample: one image per sample prompt, rendered with the trained LoRA from cached prompt embeddings."""
+"""Node sample: one image per sample prompt, rendered with the trained LoRA from cached prompt embeddings (with
+train.text_encoder_lr: from prompts encoded here by the text encoders with the LoRA file's encoder layers)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from tasks import cache_text
+from tasks import text_encoder_lora as te_lora
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
@@ -35,6 +37,13 @@ def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str,
     """What each prompt's image depends on besides the LoRA (its settings, texts and the sampler)."""
     base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"],
             "dtype": cfg["model"]["dtype"], "family": plan["family"], **runtime()}
+    if te_lora.enabled(cfg):
+        # Encoded live (nothing cached): each text by its cache key (the text and the encoders' identity); the
+        # LoRA's key covers the encoders' LoRA.
+        base["text_encoding"] = "live"
+        key = lambda text: cache_text.text_key(cfg, plan, text)  # noqa: E731
+        text_keys = {"empty": key(""), **{f"{kind}:{p['line']}": key(p[kind]) for p in plan["prompts"]
+                                          for kind in ("prompt", "negative") if p[kind]}}
     return {f"prompt:{p['line']}": {**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
                                     "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys["empty"]}
             for p in plan["prompts"]}
@@ -70,7 +79,14 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
     status = check_items(store, KIND, keys.values())
     if status.missing:
         adapter = make_adapter(cfg["model"], plan["model_dir"])
-        pipe = adapter.load_sampler(Path(lora_file))
+        live = te_lora.enabled(cfg)  # the LoRA file has text-encoder layers: the pipeline keeps its encoders
+        pipe = adapter.load_sampler(Path(lora_file), **({"text_encoders": True} if live else {}))
+
+        def tensors(name: str, text: str) -> dict:
+            if live:  # by the pipeline's encoders, which hold the LoRA file's text-encoder layers
+                return adapter.encode_text(pipe, [text])[0]
+            return store.get_tensors(cache_text.KIND, text_keys[name])
+
         todo = set(status.missing)
         for p in progress(plan["prompts"], "sample"):
             key = keys[f"prompt:{p['line']}"]
@@ -78,10 +94,9 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
                 continue
             todo.discard(key)
             s = settings(cfg, plan, p)
-            prompt = store.get_tensors(cache_text.KIND, text_keys[f"prompt:{p['line']}"])
-            neg_key = text_keys.get(f"negative:{p['line']}")
-            negative = store.get_tensors(cache_text.KIND, neg_key) if neg_key else None
-            empty = store.get_tensors(cache_text.KIND, text_keys["empty"])
+            prompt = tensors(f"prompt:{p['line']}", p["prompt"])
+            negative = tensors(f"negative:{p['line']}", p["negative"]) if p["negative"] else None
+            empty = tensors("empty", "")
             image = adapter.sample(pipe, prompt, negative, empty, **s)
             with store.tmp_dir("sample") as tmp:
                 png = Path(tmp) / "sample.png"

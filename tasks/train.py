@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from diffusers.optimization import get_scheduler
-from peft.utils import get_peft_model_state_dict
 from tqdm.auto import tqdm
 
 from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt, validation
+from tasks import text_encoder_lora as te_lora
 from tasks.checkpoint_samples import CheckpointSampler, to_tensorboard
 from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
@@ -41,20 +41,22 @@ class _Captions:
 
     cached: the augmentation's label for this step (`augment.choose`) picks a stored variant, or the
     stored empty prompt when the caption is dropped; fresh/live: a new draw (`augment.fresh`) encoded
-    now, one caption at a time so it gives the bytes the cache would (hence the same loss)."""
+    now, one caption at a time so it gives the bytes the cache would (hence the same loss). With
+    train.text_encoder_lr the live path encodes with gradients through the encoders' LoRA (`trained`)."""
 
     def __init__(self, cfg, plan, store, adapter, text_keys):
         self.items, self.store, self.text_keys = plan["items"], store, text_keys
         self.aug = cache_text.caption_aug(cfg)
-        self.mode = augment.text_mode(cfg["text"], self.aug)
+        self.mode = augment.text_mode(te_lora.text_settings(cfg), self.aug)
         self.adapter, self.memo = adapter, _Memo(MEMO_ITEMS)  # many variants of big T5 states: bounded
-        if self.mode != "cached":
-            self.encoders = adapter.load_text_encoders()
+        self.encoders = adapter.load_text_encoders() if self.mode != "cached" else None
+        self.trained = self.encoders if te_lora.enabled(cfg) else None  # train.text_encoder_lr (mode: live)
+        self.encode = adapter.encode_text_live if self.trained is not None else adapter.encode_text
 
     def get(self, i: int, step: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         item = self.items[i]
         if self.mode != "cached":
-            return self.adapter.encode_text(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
+            return self.encode(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
         label = augment.choose(item["caption"], self.aug, step, generator)
         owner = cache_text.caption_owner(item)  # a flipped twin reads its source's cached texts
         key = self.text_keys["empty" if label is None else cache_text.caption_name(owner, label)]
@@ -176,8 +178,8 @@ def overlap_loading() -> bool:
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """Page-locked with CUDA, so the copy to the GPU is asynchronous; as it is otherwise."""
-    return t.pin_memory() if torch.cuda.is_available() else t
+    """Page-locked with CUDA, so the copy to the GPU is asynchronous; else (or a trained encoder's output) as is."""
+    return t.pin_memory() if torch.cuda.is_available() and t.device.type == "cpu" and not t.requires_grad else t
 
 
 def logged_losses(step_losses: list[float], every: int) -> list[dict]:
@@ -211,16 +213,19 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     accelerator = make_accelerator(precision(cfg), tensorboard)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     denoiser, named = prepare_denoiser(adapter, cfg)
+    encoders = texts.trained  # train.text_encoder_lr: LoRA'd after the denoiser (its initial weights as without)
+    named, groups = te_lora.add_to_training(adapter, encoders, tc, named)
     params = list(named.values())
     denoiser.to(accelerator.device)
-    optimizer = accelerator.prepare_optimizer(make_optimizer(tc, params))
+    optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
     lr_schedule = get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
 
     sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,
-                                [to_tensorboard(accelerator), *(on_samples or [])])
+                                [to_tensorboard(accelerator), *(on_samples or [])],
+                                live_text=None if encoders is None else te_lora.live_prompts(adapter, encoders))
     step_losses, start, val_losses = [], 0, []
     held = plan.get("validation_items", [])  # data.validation_split: scored, never drawn (repeats 0)
     if held:
@@ -248,9 +253,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     weights = loss_weights(plan["items"], tc["prior_loss_weight"])
     batch_size, window = min(tc["batch_size"], sum(repeats)), []  # an epoch draws sum(repeats) items
     if main:
-        log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g, %d trainable parameters",
+        log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g%s, %d trainable parameters",
                  tc["max_steps"], len(names) - len(held), tc["batch_size"], f" over {world} processes" if world > 1 else "",
-                 tc["rank"], tc["lr"], sum(p.numel() for p in params))
+                 tc["rank"], tc["lr"], "" if encoders is None else f" (text encoders: {tc['text_encoder_lr']:g})",
+                 sum(p.numel() for p in params))
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
     groups = buckets_of(latents.shapes, repeats)
     if len(groups) > 1 and main:
@@ -278,8 +284,10 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     t0 = time.perf_counter()
     # With CUDA the next step's batch is read and pinned while the GPU trains on this one. On the CPU a
     # loader thread only contends with the step's own threads (measured: 1.5x the step time on 2 cores).
+    # Trained encoders encode in the step itself (lazily, by map), after the previous optimizer step.
     micro = [(s - 1) * accum + m for s in steps for m in range(1, accum + 1)]
-    batches = iter(prefetch(load_step, micro) if overlap_loading() else map(load_step, micro))
+    ahead = overlap_loading() and encoders is None
+    batches = iter(prefetch(load_step, micro) if ahead else map(load_step, micro))
     for step in steps:
         loss = 0.0  # the step's loss: the mean over its micro-batches (and processes)
         for batch in islice(batches, accum):  # gradients add up; checkpoints fall between optimizer steps
@@ -333,11 +341,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     accelerator.end_training()
     if not main:
         return None
-    # peft keeps target_modules as a set: sorted, or its order (hence the file's bytes) changes per process
-    config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v
-              for k, v in denoiser.peft_config["default"].to_dict().items()}
-    lora = adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
-    extra = {"lora_ema": str(save_ema(adapter, denoiser, named, ema, out_dir / "ema", config))} if ema else {}
+    write = te_lora.writer(adapter, denoiser, encoders)  # with train.text_encoder_lr: the encoders' layers too
+    lora = write(out_dir)
+    extra = {"lora_ema": str(save_ema(named, ema, lambda: write(out_dir / "ema")))} if ema else {}
     return {"lora": lora, **extra, "step_losses": step_losses, "continued_from_step": start,
             "checkpoint_samples": sampler.rendered, "sample_warnings": sampler.warnings,
             **({"validation_loss": val_losses} if held else {})}

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from tasks import augment, cache_text
+from tasks import text_encoder_lora as te_lora
 from tasks.hashing import key_of
 from tasks.models import adapter_class
 from tasks.runtime import runtime
@@ -22,7 +23,7 @@ SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
              ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
-             ("prior_loss_weight", 1.0), ("ema_decay", None))
+             ("prior_loss_weight", 1.0), ("ema_decay", None), ("text_encoder_lr", None))
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
@@ -45,7 +46,12 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in unused},
-            **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **pairs}
+            **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **_text_encoders(cfg, plan), **pairs}
+
+
+def _text_encoders(cfg: dict, plan: dict) -> dict:
+    # train.text_encoder_lr: the encoders (and tokenizers) being trained are part of what is trained
+    return {"text_encoders": plan["ids"]["text"]} if te_lora.enabled(cfg) else {}
 
 
 def _validation(cfg: dict, plan: dict, pair) -> dict:
@@ -104,7 +110,7 @@ def _augmentation(cfg: dict) -> dict:
     aug = cache_text.caption_aug(cfg)
     if not augment.active(aug):
         return {}
-    return {"augment": {**asdict(aug), "mode": augment.text_mode(cfg["text"], aug),
+    return {"augment": {**asdict(aug), "mode": augment.text_mode(te_lora.text_settings(cfg), aug),
                         "variants_seed": cfg["text"]["variants_seed"]}}
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
 
 from tasks.fp8_base import store_base_low
 from tasks.memory import layerwise_skip_patterns, lora_targets
@@ -110,13 +110,13 @@ def prepare_denoiser(adapter, cfg: dict):
 
 
 @torch.no_grad()
-def save_ema(adapter, denoiser, named: dict, ema: dict, out_dir: Path, config: dict) -> Path:
-    """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while it is written."""
+def save_ema(named: dict, ema: dict, write: Callable[[], Path]) -> Path:
+    """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while `write` writes them."""
     plain = {n: p.detach().clone() for n, p in named.items()}
     try:
         for n, p in named.items():
             p.copy_(ema[n])
-        return adapter.save_lora(get_peft_model_state_dict(denoiser), out_dir, config)
+        return write()
     finally:
         for n, p in named.items():
             p.copy_(plain[n])
@@ -125,6 +125,7 @@ def save_ema(adapter, denoiser, named: dict, ema: dict, out_dir: Path, config: d
 def sum_gradients(accelerator, params: list[torch.Tensor]) -> None:
     """One all-reduce of every LoRA gradient (the LoRA is small; no DDP wrapper, so the adapters keep
     calling the model itself and reading its config)."""
+    params = [p for p in params if p.grad is not None]  # SDXL's CLIP-L last layer: unused, no gradient
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     flat = accelerator.reduce(flat, reduction="sum")
     for p, g in zip(params, flat.split([p.numel() for p in params])):

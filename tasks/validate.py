@@ -9,6 +9,7 @@ import logging
 from collections import Counter
 
 from tasks import augment, memory, subsets, validation
+from tasks import text_encoder_lora as te_lora
 from tasks.config import ConfigError
 from tasks.dataset import SHARED_CAPTION, SKIPPED
 from tasks.hashing import digest_file, key_of
@@ -87,6 +88,8 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("train", "huber_c", lambda v: finite(v) and v > 0, "a finite number > 0 (sd-scripts' default 0.1)"),
         ("train", "min_snr_gamma", lambda v: finite(v) and v > 0, "a finite number > 0 (5 in the paper), or null (off)"),
         ("train", "ema_decay", lambda v: finite(v) and 0 < v < 1, "in (0, 1), e.g. 0.999, or null (off)"),
+        ("train", "text_encoder_lr", lambda v: finite(v) and v > 0,
+         "a finite number > 0 (e.g. 5e-5, kohya's text_encoder_lr), or null (off: the text encoders stay frozen)"),
         ("train", "prior_loss_weight", lambda v: finite(v) and v >= 0, "a finite number >= 0 (kohya's default 1.0)"),
         ("train", "memory_limit_gb", lambda v: finite(v) and v > 0, "a finite number > 0, or null (free memory)"),
         ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
@@ -191,6 +194,7 @@ def config_errors(cfg: dict) -> list[str]:
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
+    errors += te_lora.errors(cfg, adapter_cls)
     if cfg["data"]["random_crop"]:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
@@ -274,7 +278,7 @@ def run(cfg: dict, store: Store) -> dict:
         log.warning("sample prompts: %s", w)
 
     aug = augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
-    mode = augment.text_mode(cfg["text"], aug)
+    mode = augment.text_mode(te_lora.text_settings(cfg), aug)  # train.text_encoder_lr: live
     augmentation = {"mode": mode, "active": augment.active(aug), "description": augment.describe(aug, mode)}
     if augmentation["active"]:
         log.info(augmentation["description"])

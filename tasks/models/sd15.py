@@ -10,6 +10,7 @@ class SD15Adapter(UNetAdapter):
     family = "sd15"
     pipeline_cls = StableDiffusionPipeline
     text_components = ("tokenizer", "text_encoder")
+    text_encoder_lora_modules = ("text_encoder",)  # train.text_encoder_lr
     # A real SD1.5 repo ships a safety checker: it would black out samples and is no component of theirs.
     skip_parts = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 

@@ -12,6 +12,7 @@ class SDXLAdapter(UNetAdapter):
     family = "sdxl"
     pipeline_cls = StableDiffusionXLPipeline
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    text_encoder_lora_modules = ("text_encoder", "text_encoder_2")  # train.text_encoder_lr
     embed_names = ("prompt_embeds", "pooled_prompt_embeds")
     size_conditioning = True
     latent_version = "2"  # 2: latents stored with their original size and crop offsets

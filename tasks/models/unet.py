@@ -26,6 +26,8 @@ class UNetAdapter(FamilyAdapter):
     embed_names: tuple[str, ...] = ("prompt_embeds",)
     # Pipeline parts never loaded (not in any node's component identity).
     skip_parts: dict = {}
+    # train.text_encoder_lr: CLIP's attention projections, as diffusers' --train_text_encoder and sd-scripts
+    text_encoder_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj")
 
     latent_components = ("vae",)
     denoiser_components = ("unet",)
@@ -76,14 +78,19 @@ class UNetAdapter(FamilyAdapter):
     def _encode(self, pipe, texts: list[str]) -> dict[str, torch.Tensor]:
         """The pipeline's own encode_prompt, batched: {name in embed_names: [B, ...]}."""
 
-    @torch.no_grad()
-    def encode_text(self, pipe, texts):
-        out = {k: v.cpu() for k, v in self._encode(pipe, texts).items()}
+    def encode_text_live(self, pipe, texts):
+        """encode_text with gradients, the tensors left on the device (train.text_encoder_lr: the LoRA'd
+        encoders train through the captions they encode)."""
+        out = dict(self._encode(pipe, texts))
         # encode_prompt pads to the tokenizer's 77 tokens. The tokenizer's own mask marks real tokens
         # (bos..eos), which `ids != pad` would not: CLIP-L pads with its eos token.
         out["attention_mask"] = pipe.tokenizer(texts, padding="max_length", max_length=pipe.tokenizer.model_max_length,
                                                truncation=True, return_tensors="pt").attention_mask.to(torch.int64)
         return [{k: v[i] for k, v in out.items()} for i in range(len(texts))]
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        return [{k: v.cpu() for k, v in d.items()} for d in self.encode_text_live(pipe, texts)]
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
@@ -120,17 +127,24 @@ class UNetAdapter(FamilyAdapter):
                     added_cond_kwargs=self.added_cond_kwargs(text, latents), return_dict=False)[0]
         return ddpm_loss(pred, target, train_cfg, scheduler, timesteps)
 
-    def save_lora(self, lora_state_dict, out_dir, lora_config):
+    def save_lora(self, lora_state_dict, out_dir, lora_config, text_encoders: dict | None = None):
         # Keys stay in PEFT layout (`unet.<module>.lora_A.weight`), which diffusers loads as is, rather than
         # the examples' convert_state_dict_to_diffusers (`lora.down`): that renames only to_q/k/v/out.0, so
         # other target_modules would give a mixed file, and tasks/publish.py reads PEFT keys back.
+        # text_encoders (train.text_encoder_lr): {component: (peft state dict, peft config)}, written as
+        # `text_encoder.*` / `text_encoder_2.*` with their own adapter metadata, as the examples do.
+        extra = {}
+        for component, (state_dict, config) in (text_encoders or {}).items():
+            extra.update({f"{component}_lora_layers": state_dict, f"{component}_lora_adapter_metadata": config})
         self.pipeline_cls.save_lora_weights(out_dir, unet_lora_layers=lora_state_dict,
-                                            unet_lora_adapter_metadata=lora_config, safe_serialization=True)
+                                            unet_lora_adapter_metadata=lora_config, safe_serialization=True, **extra)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     # -- sampling --------------------------------------------------------------------------------
-    def load_sampler(self, lora_file, denoiser=None):
-        no_text = {name: None for name in self.text_components}  # renders from cached embeddings
+    def load_sampler(self, lora_file, denoiser=None, text_encoders: bool = False):
+        # Renders from cached embeddings; with text_encoders (train.text_encoder_lr) the encoders are loaded
+        # too, and the LoRA file's text-encoder layers go into them: prompts are then encoded with them.
+        no_text = {} if text_encoders else {name: None for name in self.text_components}
         pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **no_text, **self.skip_parts,
                                                  **self.live(denoiser),
                                                  **_SAFE)
