@@ -25,6 +25,7 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - flux2_klein: BFL FLUX.2 names (`lora_unet_double_blocks_0_img_attn_qkv` fused as for Flux,
   `..._single_blocks_0_linear1` = diffusers' already fused `to_qkv_mlp_proj`), which diffusers'
   `Flux2KleinPipeline` converts (`_convert_kohya_flux2_lora_to_diffusers`).
+- flux2_dev: the same names (the same transformer), which `Flux2Pipeline` converts with the same converter.
 - qwenimage: the same rule (`lora_unet_transformer_blocks_0_attn_to_q`), musubi-tuner's Qwen-Image layout,
   which diffusers' `QwenImagePipeline` converts (`_convert_non_diffusers_qwen_lora_to_diffusers`).
 
@@ -47,7 +48,7 @@ from safetensors.torch import save_file
 
 from tasks.store import canonicalize_safetensors
 
-FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein")
+FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -99,6 +100,7 @@ _RULES["flux2_klein"] = [  # BFL FLUX.2 names, as diffusers' _convert_kohya_flux
     (_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{}_linear1", 1),  # already one fused Linear in diffusers
     (_S + r"attn\.to_out", "single_blocks_{}_linear2", 1),
 ]
+_RULES["flux2_dev"] = _RULES["flux2_klein"]  # the same transformer; Flux2Pipeline reads the same converter
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
@@ -109,7 +111,7 @@ _DROP = {"flux": r"proj_out"}
 _META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
-         "flux2_klein": ("networks.lora_flux2", "flux2_klein")}
+         "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
 _NAMED = ("zimage", "qwenimage")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)

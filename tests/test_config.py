@@ -62,7 +62,8 @@ def test_resolution_as_pixels_or_area():
                                          ("tiny_sd15", "sd15"), ("zimage_turbo", "zimage"),
                                          ("tiny_zimage", "zimage"), ("qwenimage", "qwenimage"),
                                          ("tiny_qwenimage", "qwenimage"), ("flux2_klein_base_9b", "flux2_klein"),
-                                         ("tiny_flux2_klein", "flux2_klein"), ("tiny_flux2", "flux2_klein")])
+                                         ("tiny_flux2_klein", "flux2_klein"), ("tiny_flux2", "flux2_klein"),
+                                         ("flux2_dev", "flux2_dev"), ("tiny_flux2_dev", "flux2_dev")])
 def test_model_configs_compose(name, family, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # sd15 / sdxl_base: fp16 weights, GPU configs
     cfg, _ = compose("train", [f"model={name}", "model.config=/somewhere/base"])

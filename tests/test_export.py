@@ -28,13 +28,16 @@ from safetensors.torch import load_file
 from tasks.export import kohya_metadata, save_kohya, to_kohya
 from tasks.models.tiny import build_tiny_flux
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
+from tasks.models.flux2_dev import Flux2DevAdapter
 from tasks.models.flux2_klein import Flux2KleinAdapter
+from tasks.models.tiny_flux2_dev import build_tiny_flux2_dev
 from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage
 from tasks.models.zimage import ZImageAdapter
 
 RANK, ALPHA = 4, 8
 BUILDERS = {"flux": build_tiny_flux, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15,
-            "zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2}
+            "zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2,
+            "flux2_dev": build_tiny_flux2_dev}
 _ATTN = ["to_k", "to_q", "to_v", "to_out.0"]
 _JOINT = _ATTN + ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]
 TARGETS = {
@@ -48,6 +51,7 @@ TARGETS = {
     "qwenimage": ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out",
      "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
     "flux2_klein": Flux2KleinAdapter.LORA_TARGETS,  # every block projection: all kohya name rules
+    "flux2_dev": Flux2DevAdapter.LORA_TARGETS,  # the same blocks (tasks/models/flux2.py), a guidance embedding more
 }
 # Everything diffusers' kohya Flux loader handles at any width (see module docstring).
 FLUX_DIFFUSERS_TARGETS = (r"(transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
@@ -149,7 +153,8 @@ def _merge_like_comfyui(pipe, kohya, table):
 
 @pytest.mark.parametrize("family,loader", [("sd15", "diffusers"), ("sdxl", "diffusers"), ("flux", "diffusers"),
                                            ("flux", "merge"), ("sd3", "merge"), ("zimage", "diffusers"),
-                                           ("qwenimage", "diffusers"), ("flux2_klein", "diffusers")])
+                                           ("qwenimage", "diffusers"), ("flux2_klein", "diffusers"),
+                                           ("flux2_dev", "diffusers")])
 def test_kohya_export_reproduces_peft_lora(family, loader, model_dirs, tmp_path):
     model_dir = model_dirs(family)
     targets = FLUX_DIFFUSERS_TARGETS if (family, loader) == ("flux", "diffusers") else TARGETS[family]

@@ -199,7 +199,7 @@ SENSIBLE = {
     "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
     "train.ema_decay": lambda v: v is None or _fin(v) and 0 < v < 1,
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
-    "model.family": _in("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"), "model.seed": lambda v: 0 <= v < 2**64,
+    "model.family": _in("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"), "model.seed": lambda v: 0 <= v < 2**64,
     "model.max_sequence_length": lambda v: 1 <= v <= 512,
     "data.resolution": lambda v: _fin(v) and 16 <= v <= 16384 and v % 16 == 0,
     "data.resolution_type": _in("pixels", "area"), "data.missing_caption": _in("error", "empty"),

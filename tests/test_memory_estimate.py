@@ -73,6 +73,24 @@ def test_qwenimage_at_1024(tmp_path):
     assert est["lora_params"] == 60 * 4 * 16 * (2 * 3072)  # rank 16 on to_q/k/v/out of 60 blocks, width 3072
 
 
+def test_flux2_dev_at_1024(tmp_path):
+    from diffusers import Flux2Transformer2DModel
+
+    from tasks.models.flux2_dev import Flux2DevAdapter
+
+    # black-forest-labs/FLUX.2-dev's transformer config: the class defaults (8 double, 48 single blocks, width
+    # 6144, in 128 = 32 VAE channels x 2x2, joint 15360 = 3 x Mistral's 5120, guidance embedding)
+    folder = _headers(Flux2Transformer2DModel, {}, tmp_path)
+    est = estimate(_cfg(), folder, "transformer", Flux2DevAdapter.LORA_TARGETS, (1024, 1024), 512,
+                   Flux2Transformer2DModel)
+    assert 32.1e9 < est["params"] < 32.3e9 and 59 < est["weights_gb"] < 61  # FLUX.2 [dev]: 32.2 B parameters
+    # rank 16 on every block projection, r x (in + out) in units of the width D: a double block 38 D (eight
+    # D->D attention projections: 16 D; each stream's MLP D->6D and 3D->D: 11 D), a single block 15 D (the
+    # fused D->9D and 4D->D)
+    assert est["lora_params"] == 16 * 6144 * (8 * 38 + 48 * 15)
+    assert est["activations_gb"] > 0
+
+
 def _cfg(**train):
     return {"model": {"dtype": "bfloat16", "storage_dtype": None, "max_sequence_length": 512},
             "train": {"rank": 16, "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16",

@@ -1,5 +1,5 @@
-"""Tests for the tiny offline SD3 / SDXL / SD1.5 pipelines (tasks/models/tiny_families.py), Z-Image and
-Qwen-Image (tasks/models/tiny_llm_families.py)."""
+"""Tests for the tiny offline SD3 / SDXL / SD1.5 pipelines (tasks/models/tiny_families.py), Z-Image,
+Qwen-Image, FLUX.2 [klein] (tasks/models/tiny_llm_families.py) and FLUX.2 [dev] (tiny_flux2_dev.py)."""
 
 import os
 
@@ -11,13 +11,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from diffusers import (  # noqa: E402
-    Flux2KleinPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline, ZImagePipeline,
+    Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline, ZImagePipeline,
 )
 from diffusers.utils import convert_state_dict_to_diffusers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny_flux2_dev import build_tiny_flux2_dev  # noqa: E402
 from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"
@@ -35,15 +36,19 @@ FAMILIES = {
                   dict(max_sequence_length=32, negative_prompt=" ", true_cfg_scale=2.0)),
     "flux2_klein": (build_tiny_flux2, Flux2KleinPipeline, "transformer", "transformer_lora_layers",
                     dict(max_sequence_length=32, guidance_scale=2.0)),
+    "flux2_dev": (build_tiny_flux2_dev, Flux2Pipeline, "transformer", "transformer_lora_layers",
+                  dict(max_sequence_length=64, guidance_scale=2.0)),
 }
 DENOISER_WEIGHTS = {"sd3": "transformer/diffusion_pytorch_model.safetensors",
                     "sdxl": "unet/diffusion_pytorch_model.safetensors",
                     "sd15": "unet/diffusion_pytorch_model.safetensors",
                     "zimage": "transformer/diffusion_pytorch_model.safetensors",
                     "qwenimage": "transformer/diffusion_pytorch_model.safetensors",
-                    "flux2_klein": "transformer/diffusion_pytorch_model.safetensors"}
+                    "flux2_klein": "transformer/diffusion_pytorch_model.safetensors",
+                    "flux2_dev": "transformer/diffusion_pytorch_model.safetensors"}
 # An arch key that deepens the text encoder, per family (the CLIP towers; Z-Image's Qwen3).
-TEXT_LAYERS_KEY = {"zimage": "qwen_layers", "qwenimage": "qwen_layers", "flux2_klein": "qwen_layers"}
+TEXT_LAYERS_KEY = {"zimage": "qwen_layers", "qwenimage": "qwen_layers", "flux2_klein": "qwen_layers",
+                   "flux2_dev": "mistral_layers"}
 
 
 def _files(root: Path) -> dict[str, bytes]:

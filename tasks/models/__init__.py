@@ -24,6 +24,7 @@ FAMILIES = {
     "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny_llm_families:build_tiny_zimage"),
     "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny_llm_families:build_tiny_qwenimage"),
     "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
+    "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
 }
 
 

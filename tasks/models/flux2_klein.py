@@ -1,89 +1,16 @@
-"""FLUX.2 [klein]: the FLUX.2 MMDiT (double- then single-stream blocks, 4-axis RoPE) on its own VAE's latents
-(AutoencoderKLFlux2, /8, patchified 2x2 and normalised by the VAE's batch-norm statistics), text from Qwen3
-(hidden states 9, 18 and 27 of the chat-templated caption, thinking off, stacked), flow matching, real CFG.
-Follows diffusers' Flux2KleinPipeline. FLUX.2 [dev] (Mistral Small 3.1 text encoder, Flux2Pipeline) is not
-covered by this adapter."""
+"""FLUX.2 [klein]: text from Qwen3 (hidden states 9, 18 and 27 of the chat-templated caption, thinking off,
+stacked), real CFG. Follows diffusers' Flux2KleinPipeline; what it shares with [dev] is in flux2.py."""
 from __future__ import annotations
 
+from diffusers import Flux2KleinPipeline
 
-import torch
-from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
-
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
-
-_SAFE = dict(use_safetensors=True)
-_TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
-_SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
-P = Flux2KleinPipeline
+from tasks.models.flux2 import Flux2Adapter
 
 
-class Flux2KleinAdapter(TransformerAdapter):
+class Flux2KleinAdapter(Flux2Adapter):
     family = "flux2_klein"
-    pipeline_cls, denoiser_cls, denoiser_subfolder = Flux2KleinPipeline, Flux2Transformer2DModel, "transformer"
-    sample_parts = _SAMPLE_PARTS
-    single_file_holds = "denoiser"
-    latent_components = ("vae",)
-    text_components = ("tokenizer", "text_encoder")
-    denoiser_components = ("transformer",)
-    sample_components = ("transformer", "vae", "scheduler")
-    size_multiple = 16  # VAE /8, then 2x2 patches
+    pipeline_cls = Flux2KleinPipeline
 
-    # -- latents ---------------------------------------------------------------------------------
-    def load_vae(self):
-        return AutoencoderKLFlux2.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
-
-    @torch.no_grad()
-    def encode_latents(self, vae, pixels):
-        # The pipeline's _encode_vae_image: the mode, 2x2 patches into channels, the batch-norm statistics
-        # removed (the pipeline puts them back before decoding). Stored [B, 4C, H/16, W/16].
-        z = P._patchify_latents(vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode())
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
-        return (z - mean) / std
-
-    # -- text ------------------------------------------------------------------------------------
-    def load_text_encoders(self):
-        return Flux2KleinPipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
-
-    @torch.no_grad()
-    def encode_text(self, pipe, texts):
-        # The pipeline's own encode_prompt: every caption padded to max_sequence_length (the transformer
-        # takes no mask; the padding's states are part of the input, as in the pipeline).
-        embeds, _ = pipe.encode_prompt(texts, device=self.device, max_sequence_length=self.max_sequence_length)
-        embeds = embeds.cpu()
-        return [{"prompt_embeds": embeds[i]} for i in range(len(texts))]
-
-    # -- training --------------------------------------------------------------------------------
-    def load_denoiser(self):
-        return Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
-
-    # Every projection of the blocks (attention of both streams, the MLPs, the single blocks' fused
-    # qkv+mlp input and output): the Linears FLUX.2 LoRAs in kohya/BFL layout name. Not the modulation,
-    # embedders or the final layer.
-    LORA_TARGETS = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
-                    r"|ff(_context)?\.linear_(in|out))"
-                    r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
-
-    def default_lora_targets(self):
-        return self.LORA_TARGETS
-
-    def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
-
-    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
-        b, c, h, w = latents.shape
-        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
-        embeds = text["prompt_embeds"].to(latents.dtype)
-        packed = P._pack_latents(noisy)  # [B, h*w, C]
-        img_ids = P._prepare_latent_ids(noisy).to(latents.device)
-        txt_ids = P._prepare_text_ids(embeds).to(latents.device)
-        pred = transformer(hidden_states=packed, encoder_hidden_states=embeds, timestep=timesteps.to(latents.dtype) / 1000,
-                           img_ids=img_ids, txt_ids=txt_ids, guidance=None, return_dict=False)[0]
-        pred = pred[:, : packed.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
-        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
-
-    # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (the pipeline's guidance_scale, on above 1 for the undistilled base
         # models) against the prompt's negative, else the cached empty prompt (the pipeline's own negative
@@ -92,8 +19,4 @@ class Flux2KleinAdapter(TransformerAdapter):
         if guidance > 1 and not pipe.config.is_distilled:
             uncond = negative if negative is not None else empty
             kwargs["negative_prompt_embeds"] = uncond["prompt_embeds"][None].to(self.dtype)
-        generator = self.make_generator(pipe, seed, generator_device)
-        return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype), guidance_scale=guidance,
-                    width=width, height=height, num_inference_steps=steps,
-                    max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil",
-                    **kwargs).images[0]
+        return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device, **kwargs)

@@ -216,22 +216,17 @@ FLUX2_ARCH: dict = {
 }
 
 
-def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
-    """Tiny random-weight `Flux2KleinPipeline` (FLUX.2 [klein] layout: Qwen3 text encoder) saved in
-    diffusers layout under `out_dir`. Keys of `FLUX2_ARCH`. Images are multiples of 16 px; call with e.g.
-    height/width 64 and `max_sequence_length=32`."""
-    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
-    from transformers import Qwen3ForCausalLM
+def flux2_image_parts(a: dict, seeded, joint_attention_dim: int, guidance_embeds: bool):
+    """The FLUX.2 transformer (seed slot 0), AutoencoderKLFlux2 (slot 1) and scheduler, shared by [klein] and
+    [dev]: they differ in the text encoder, its width (joint_attention_dim) and the guidance embedding."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    a = _resolve(FLUX2_ARCH, arch)
-    tokenizer = _qwen_tokenizer(a["qwen_num_merges"])
-    seeded = _seeder(seed, 4)
     transformer = seeded(0, lambda: Flux2Transformer2DModel(
         patch_size=1, in_channels=4 * a["latent_channels"], num_layers=a["num_layers"],
         num_single_layers=a["num_single_layers"], attention_head_dim=a["attention_head_dim"],
-        num_attention_heads=a["num_attention_heads"], joint_attention_dim=3 * a["qwen_hidden_size"],
+        num_attention_heads=a["num_attention_heads"], joint_attention_dim=joint_attention_dim,
         timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=tuple(a["axes_dims_rope"]), rope_theta=2000,
-        guidance_embeds=False,
+        guidance_embeds=guidance_embeds,
     ))
     n = len(a["vae_block_out_channels"])
     vae = seeded(1, lambda: AutoencoderKLFlux2(
@@ -244,6 +239,24 @@ def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
         c = vae.bn.num_features
         vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, c))
         vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, c))
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.2's: the pipeline passes its empirical mu
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
+    )
+    return transformer, vae, scheduler
+
+
+def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+    """Tiny random-weight `Flux2KleinPipeline` (FLUX.2 [klein] layout: Qwen3 text encoder) saved in
+    diffusers layout under `out_dir`. Keys of `FLUX2_ARCH`. Images are multiples of 16 px; call with e.g.
+    height/width 64 and `max_sequence_length=32`."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
+
+    a = _resolve(FLUX2_ARCH, arch)
+    tokenizer = _qwen_tokenizer(a["qwen_num_merges"])
+    seeded = _seeder(seed, 4)
+    transformer, vae, scheduler = flux2_image_parts(a, seeded, 3 * a["qwen_hidden_size"], guidance_embeds=False)
     text_encoder = seeded(2, lambda: Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=a["qwen_hidden_size"], intermediate_size=a["qwen_intermediate_size"],
         num_hidden_layers=a["qwen_layers"], num_attention_heads=a["qwen_heads"],
@@ -251,10 +264,6 @@ def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
         rope_theta=1000000.0, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )))
-    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.2's: the pipeline passes its empirical mu
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
-    )
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                               transformer=transformer, is_distilled=False)
     out_dir = Path(out_dir)

@@ -1,0 +1,97 @@
+"""FLUX.2, what [klein] and [dev] share: the FLUX.2 MMDiT (double- then single-stream blocks, 4-axis RoPE) on
+its own VAE's latents (AutoencoderKLFlux2, /8, patchified 2x2 and normalised by the VAE's batch-norm
+statistics), text as the pipeline's encode_prompt gives it (hidden states of three layers of a language model,
+stacked), flow matching. The variants (tasks/models/flux2_klein.py, flux2_dev.py) differ in the pipeline (so the
+text encoder and its layers), the guidance (real CFG for [klein], an embedded guidance scale for [dev]) and
+how sampling uses a negative prompt."""
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+SAFE = dict(use_safetensors=True)
+TEXT_PARTS = dict(transformer=None, vae=None, **SAFE)
+SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **SAFE)
+
+
+class Flux2Adapter(TransformerAdapter):
+    pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
+    denoiser_cls, denoiser_subfolder = Flux2Transformer2DModel, "transformer"
+    sample_parts = SAMPLE_PARTS
+    single_file_holds = "denoiser"
+    latent_components = ("vae",)
+    text_components = ("tokenizer", "text_encoder")
+    denoiser_components = ("transformer",)
+    sample_components = ("transformer", "vae", "scheduler")
+    size_multiple = 16  # VAE /8, then 2x2 patches
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return AutoencoderKLFlux2.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **SAFE).to(self.device).eval()
+
+    @torch.no_grad()
+    def encode_latents(self, vae, pixels):
+        # The pipeline's _encode_vae_image: the mode, 2x2 patches into channels, the batch-norm statistics
+        # removed (the pipeline puts them back before decoding). Stored [B, 4C, H/16, W/16].
+        z = self.pipeline_cls._patchify_latents(
+            vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode())
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        return (z - mean) / std
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **TEXT_PARTS).to(self.device)
+
+    @torch.no_grad()
+    def encode_text(self, pipe, texts):
+        # The pipeline's own encode_prompt: every caption padded to max_sequence_length (the transformer
+        # takes no mask; the padding's states are part of the input, as in the pipeline).
+        embeds, _ = pipe.encode_prompt(texts, device=self.device, max_sequence_length=self.max_sequence_length)
+        embeds = embeds.cpu()
+        return [{"prompt_embeds": embeds[i]} for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **SAFE)
+
+    # Every projection of the blocks (attention of both streams, the MLPs, the single blocks' fused
+    # qkv+mlp input and output): the Linears FLUX.2 LoRAs in kohya/BFL layout name. Not the modulation,
+    # embedders or the final layer.
+    LORA_TARGETS = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
+                    r"|ff(_context)?\.linear_(in|out))"
+                    r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+
+    def default_lora_targets(self):
+        return self.LORA_TARGETS
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        b, c, h, w = latents.shape
+        P = self.pipeline_cls
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
+        embeds = text["prompt_embeds"].to(latents.dtype)
+        packed = P._pack_latents(noisy)  # [B, h*w, C]
+        img_ids = P._prepare_latent_ids(noisy).to(latents.device)
+        txt_ids = P._prepare_text_ids(embeds).to(latents.device)
+        guidance = None  # [dev]'s guidance embedding gets train.guidance, as diffusers' example its --guidance_scale
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=torch.float32, device=latents.device)
+        pred = transformer(hidden_states=packed, encoder_hidden_states=embeds, timestep=timesteps.to(latents.dtype) / 1000,
+                           img_ids=img_ids, txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+        pred = pred[:, : packed.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
+
+    # -- sampling --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def render(self, pipe, prompt, width, height, steps, guidance, seed, generator_device, **kwargs):
+        """The pipeline from the cached prompt embeddings (it makes the text ids); kwargs: the variant's own."""
+        generator = self.make_generator(pipe, seed, generator_device)
+        return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype), guidance_scale=guidance,
+                    width=width, height=height, num_inference_steps=steps,
+                    max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil",
+                    **kwargs).images[0]
