@@ -42,9 +42,10 @@ def load(store, kind: str, key: str) -> dict:
 RUN_FIELDS = ("computed", "reused", "repaired", "continued_from_step")
 
 
-def _kept(cfg: dict, result: dict) -> dict:
+def _kept(store, result: dict) -> dict:
+    store.save_indexes()  # the entries this node verified or wrote: the next no-op answers from stat calls
     lasting = {k: v for k, v in result.items() if k not in RUN_FIELDS}
-    return {"result": keep(open_store(cfg["store"]), RESULTS, lasting),
+    return {"result": keep(store, RESULTS, lasting),
             **{k: result[k] for k in RUN_FIELDS if k in result}}
 
 
@@ -66,13 +67,13 @@ def validate_task(cfg: dict) -> dict:
 @task(name="cache_latents", **_cached)
 def cache_latents_task(key: str, cfg: dict, plan: str) -> dict:
     store = open_store(cfg["store"])
-    return _kept(cfg, cache_latents.run(cfg, load(store, PLANS, plan), store))
+    return _kept(store, cache_latents.run(cfg, load(store, PLANS, plan), store))
 
 
 @task(name="cache_text", **_cached)
 def cache_text_task(key: str, cfg: dict, plan: str) -> dict:
     store = open_store(cfg["store"])
-    return _kept(cfg, cache_text.run(cfg, load(store, PLANS, plan), store))
+    return _kept(store, cache_text.run(cfg, load(store, PLANS, plan), store))
 
 
 @task(name="train", **_cached)
@@ -80,7 +81,7 @@ def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir
     # run_dir (where TensorBoard logs and live samples go) is not part of the key: it changes no artifact.
     store = open_store(cfg["store"])
     latent_keys, text_keys = load(store, RESULTS, latents)["items"], load(store, RESULTS, texts)["items"]
-    return _kept(cfg, train.run(cfg, load(store, PLANS, plan), store, latent_keys, text_keys,
+    return _kept(store, train.run(cfg, load(store, PLANS, plan), store, latent_keys, text_keys,
                                 run_dir and Path(run_dir), on_samples=[sample_point_artifact]))
 
 
@@ -88,5 +89,5 @@ def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir
 def sample_task(key: str, cfg: dict, plan: str, lora: str, texts: str) -> dict:
     store = open_store(cfg["store"])
     trained = load(store, RESULTS, lora)
-    return _kept(cfg, sample.run(cfg, load(store, PLANS, plan), store, trained["key"], trained["lora"],
+    return _kept(store, sample.run(cfg, load(store, PLANS, plan), store, trained["key"], trained["lora"],
                                  load(store, RESULTS, texts)["items"]))
