@@ -120,7 +120,9 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
-    store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
+    inputs = {n: r["inputs"] for n, r in results.items()}
+    if inputs != previous:  # a no-op over 100,000 items writes nothing
+        store.write_record(config_name, {"inputs": inputs})
     log_nodes(report["nodes"], cfg)
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])

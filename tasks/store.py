@@ -302,7 +302,7 @@ class Store:
     def intact(self, kind: str, key: str) -> bool:
         """valid(), answered from two stat calls when the entry's files are as they were when last verified
         (tasks/entry_index.py); entries verified here are remembered for the next run (save_indexes)."""
-        entry = str(self.entry_dir(kind, key))
+        entry = f"{self.root}/{kind}/{key[:2]}/{key}"  # = entry_dir, without pathlib's cost (100,000 entries)
         index = self._index(kind)
         if index.intact(key, entry):
             return True
