@@ -56,7 +56,7 @@ def _run(task, store: Store, **params) -> dict:
     if state.name == "Cached":
         kind = _KINDS[task.name]
         keys = set(result["items"].values()) if result else set()
-        if result and all(store.intact(kind, k) for k in keys) and \
+        if result and store.all_intact(kind, keys) and \
                 all_valid(store, result.get("checkpoint_samples", {})):
             result = {**result, "computed": 0, "reused": len(keys), "repaired": []}
         else:

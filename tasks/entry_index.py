@@ -71,6 +71,24 @@ class EntryIndex:
         sig = self._new.get(key) or self._entries.get(key)
         return sig is not None and signature(entry, sig[0]) == sig
 
+    def unchanged(self, keys, entry_of) -> list[str]:
+        """The keys whose entries are as they were when last verified: intact() for many keys, in one tight
+        loop (a no-op checks 200,000 of them)."""
+        self.intact("", "")  # loads the file once
+        known, new, stat, out = self._entries, self._new, os.stat, []
+        for key in keys:
+            sig = new.get(key) or known.get(key)
+            if sig is None:
+                continue
+            entry = entry_of(key)
+            try:
+                d, m = stat(f"{entry}/{sig[0]}"), stat(f"{entry}/manifest.json")
+            except OSError:
+                continue
+            if [sig[0], d.st_size, d.st_mtime_ns, d.st_ino, m.st_size, m.st_mtime_ns, m.st_ino] == sig:
+                out.append(key)
+        return out
+
     def add(self, key: str, entry: str, file: str) -> None:
         sig = signature(entry, file)
         if sig is not None:

@@ -314,6 +314,17 @@ class Store:
             index.add(key, entry, data.name)
         return True
 
+    def unchanged(self, kind: str, keys) -> set[str]:
+        """The keys whose entries are as they were when last written or verified, in one pass of stat calls
+        (no entry is read); intact() answers the others."""
+        root = str(self.root)
+        return set(self._index(kind).unchanged(keys, lambda k: f"{root}/{kind}/{k[:2]}/{k}"))
+
+    def all_intact(self, kind: str, keys) -> bool:
+        keys = list(dict.fromkeys(keys))
+        seen = self.unchanged(kind, keys)
+        return all(k in seen or self.intact(kind, k) for k in keys)
+
     def save_indexes(self) -> None:
         """Writes what this process verified or wrote into the store's index files (one per kind)."""
         for index in self._indexes.values():
