@@ -80,6 +80,7 @@ def main() -> None:
     start = time.perf_counter()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="loraflow-noop-"))
     reuse = (work / "big").is_dir()
+    work.mkdir(parents=True, exist_ok=True)
     try:
         (work / "prompts.txt").write_text("a random picture\n")
         big, demo = work / "big", work / "demo"
