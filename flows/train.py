@@ -187,7 +187,8 @@ def _hydra_main() -> None:
         overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
         console.quiet_user_errors(USER_ERRORS)
         try:
-            check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
+            if hc.mode == RunMode.MULTIRUN:  # a sweep member's bad config: no flow run (a single run's was checked)
+                check_config_only(hc.job.config_name, overrides)
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
             console.exit_interrupted(e)
