@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, _root, check_dataset
+from tasks.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, _is_dir, _root, check_dataset
 
 # kohya's DreamBooth folder name: `<repeats>_<name>`; at most 6 digits (int() of thousands of digits fails)
 KOHYA_FOLDER = re.compile(r"^([1-9][0-9]{0,5})_(.+)$")
@@ -99,6 +99,9 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
     with os.scandir(root) as it:  # its entries know "folder? link?" without a stat call (100,000 images)
         entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     for entry in entries:
+        if entry.name.lower().endswith(IMAGE_EXTS) and not _is_dir(entry):  # most entries: decided by the name
+            outside.append(entry.name)
+            continue
         match = KOHYA_FOLDER.match(entry.name)
         if not entry.is_symlink() and entry.is_dir():
             if match:

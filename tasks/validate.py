@@ -302,7 +302,7 @@ def run(cfg: dict, store: Store) -> dict:
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
     # repeats / is_reg only where not at their defaults: a plain folder's plan (and keys) stay as they were
-    plan_items = [{"name": name, "image": str(it.image_path), "image_digest": it.digest or digest_file(it.image_path),
+    plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
