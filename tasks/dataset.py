@@ -7,7 +7,6 @@ fixes a broken dataset in one pass instead of one error per run.
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
