@@ -32,7 +32,12 @@ def install_signal_handlers() -> None:
 
 
 def shield_temporary_server() -> None:
-    """Start Prefect's temporary API server (uvicorn subprocess) in a session of its own."""
+    """Start Prefect's temporary API server (uvicorn subprocess) in a session of its own. With PREFECT_API_URL set
+    none is started: nothing to do (and Prefect's server code, 2 s of imports, is not loaded)."""
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return
     from prefect.server.api import server
 
     cls = server.SubprocessASGIServer
@@ -54,10 +59,12 @@ def shield_temporary_server() -> None:
 
 def stop_temporary_server() -> None:
     from prefect.logging.handlers import APILogWorker
-    from prefect.server.api import server
 
     with contextlib.suppress(Exception):
         APILogWorker.drain_all(timeout=5)  # the run's last log lines reach the API before it stops
+    if "prefect.server.api.server" not in sys.modules:  # no temporary server was started in this process
+        return
+    from prefect.server.api import server
 
     for instance in list(server.SubprocessASGIServer._instances.values()):
         with contextlib.suppress(Exception):

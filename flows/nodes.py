@@ -1,8 +1,10 @@
 """The five Prefect tasks: thin shells over the plain functions in tasks/.
 
 Prefect's cache key for a node is loraflow's own node key (content digests + code versions), never
-Prefect's hash of pickled inputs. Results are small JSON dicts (keys, counts, paths): tensors stay in
-the store and Prefect never pickles them."""
+Prefect's hash of pickled inputs. Prefect holds keys, the store holds everything else: the plan (every
+item of the dataset) and each node's result (its item keys and inputs) are JSON files in the store,
+and a task's parameters and persisted result name them by key. Prefect walks every parameter and persists
+every result; with 100,000 items in them that alone took minutes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +16,37 @@ from flows.artifacts import sample_point_artifact
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.hashing import key_of
 from tasks.remote_store import open_store
+
+PLANS, RESULTS = "plans", "results"  # <store>/flowstate/<area>/: validate's plan, the other nodes' results
+_LOADED: dict[tuple[str, str], dict] = {}  # (kind, key) -> JSON this process stored or read: read once
+
+
+def keep(store, kind: str, obj: dict) -> str:
+    """Stores `obj` as a JSON entry keyed by its content; returns the key."""
+    key = store.put_state(kind, obj)
+    _LOADED[(kind, key)] = obj
+    return key
+
+
+def load(store, kind: str, key: str) -> dict:
+    """A plan or result by key (verified when read from the store; CorruptArtifact when it is not there)."""
+    if (kind, key) not in _LOADED:
+        if len(_LOADED) > 16:  # a long-lived worker process runs many flows: keep the last few
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[(kind, key)] = store.get_state(kind, key)
+    return _LOADED[(kind, key)]
+
+
+# What differs between two runs of a node with the same key: Prefect's result carries these, the store the rest
+# (so a re-run that repaired an item stores no second copy of an unchanged result)
+RUN_FIELDS = ("computed", "reused", "repaired", "continued_from_step")
+
+
+def _kept(store, result: dict) -> dict:
+    store.save_indexes()  # the entries this node verified or wrote: the next no-op answers from stat calls
+    lasting = {k: v for k, v in result.items() if k not in RUN_FIELDS}
+    return {"result": keep(store, RESULTS, lasting),
+            **{k: result[k] for k in RUN_FIELDS if k in result}}
 
 
 def _node_key(context, parameters) -> str:
@@ -30,23 +63,31 @@ def validate_task(cfg: dict) -> dict:
     return validate.run(cfg, open_store(cfg["store"]))
 
 
+# Each takes the plan's key and its upstream nodes' result keys, and returns {"result": key}.
 @task(name="cache_latents", **_cached)
-def cache_latents_task(key: str, cfg: dict, plan: dict) -> dict:
-    return cache_latents.run(cfg, plan, open_store(cfg["store"]))
+def cache_latents_task(key: str, cfg: dict, plan: str) -> dict:
+    store = open_store(cfg["store"])
+    return _kept(store, cache_latents.run(cfg, load(store, PLANS, plan), store))
 
 
 @task(name="cache_text", **_cached)
-def cache_text_task(key: str, cfg: dict, plan: dict) -> dict:
-    return cache_text.run(cfg, plan, open_store(cfg["store"]))
+def cache_text_task(key: str, cfg: dict, plan: str) -> dict:
+    store = open_store(cfg["store"])
+    return _kept(store, cache_text.run(cfg, load(store, PLANS, plan), store))
 
 
 @task(name="train", **_cached)
-def train_task(key: str, cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, run_dir: str | None = None) -> dict:
+def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir: str | None = None) -> dict:
     # run_dir (where TensorBoard logs and live samples go) is not part of the key: it changes no artifact.
-    return train.run(cfg, plan, open_store(cfg["store"]), latent_keys, text_keys, run_dir and Path(run_dir),
-                     on_samples=[sample_point_artifact])
+    store = open_store(cfg["store"])
+    latent_keys, text_keys = load(store, RESULTS, latents)["items"], load(store, RESULTS, texts)["items"]
+    return _kept(store, train.run(cfg, load(store, PLANS, plan), store, latent_keys, text_keys,
+                                run_dir and Path(run_dir), on_samples=[sample_point_artifact]))
 
 
 @task(name="sample", **_cached)
-def sample_task(key: str, cfg: dict, plan: dict, lora_key: str, lora_file: str, text_keys: dict) -> dict:
-    return sample.run(cfg, plan, open_store(cfg["store"]), lora_key, lora_file, text_keys)
+def sample_task(key: str, cfg: dict, plan: str, lora: str, texts: str) -> dict:
+    store = open_store(cfg["store"])
+    trained = load(store, RESULTS, lora)
+    return _kept(store, sample.run(cfg, load(store, PLANS, plan), store, trained["key"], trained["lora"],
+                                 load(store, RESULTS, texts)["items"]))

@@ -72,9 +72,14 @@ def _with_fault(store, node: str):
 
 @task(name="cache_shard", cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=1,
       retry_condition_fn=_not_a_user_error)
-def cache_shard(node: str, cfg: dict, plan: dict, keys: list[str]) -> dict:
+def cache_shard(node: str, cfg: dict, plan: str, keys: list[str]) -> dict:
+    """`plan`: its key in the store (every worker reads it there, once)."""
+    from flows.nodes import PLANS, load
+
     store = _with_fault(open_store(cfg["store"]), node)
-    return {"worker": _worker_address(), "computed": shards.compute_shard(node, cfg, plan, store, keys)}
+    computed = shards.compute_shard(node, cfg, load(store, PLANS, plan), store, keys)
+    store.save_indexes()
+    return {"worker": _worker_address(), "computed": computed}
 
 
 def task_runner(rc: dict):
@@ -111,7 +116,7 @@ def _api_for_workers(rc: dict):
             os.environ["PREFECT_API_URL"] = before
 
 
-def fill_on_dask(cfg: dict, plan: dict, store) -> dict[str, dict]:
+def fill_on_dask(cfg: dict, plan: dict, plan_key: str, store) -> dict[str, dict]:
     """Computes both caching nodes' missing items on the cluster; per node {"workers": {worker address: items
     computed}, "seconds"}."""
     rc = cfg["runner"]
@@ -123,7 +128,7 @@ def fill_on_dask(cfg: dict, plan: dict, store) -> dict[str, dict]:
     log.info("runner: %s shard(s) on %s", ", ".join(f"{len(s)} {n}" for n, s in todo.items()), where)
     start = time.perf_counter()
     with _api_for_workers(rc), task_runner(rc) as runner:
-        futures = {node: [runner.submit(cache_shard, parameters={"node": node, "cfg": cfg, "plan": plan, "keys": shard})
+        futures = {node: [runner.submit(cache_shard, parameters={"node": node, "cfg": cfg, "plan": plan_key, "keys": shard})
                           for shard in node_shards] for node, node_shards in todo.items()}
         done = {}
         for node, fs in futures.items():

@@ -18,7 +18,8 @@ from flows import auth, console, sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
-from flows.nodes import cache_latents_task, cache_text_task, sample_task, train_task, validate_task
+from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, load, sample_task, train_task,
+                         validate_task)
 from tasks import cache_latents, cache_text, interrupt, sample, train, validate
 from tasks.checkpoint_samples import all_valid
 from tasks.config import ConfigError, compose, resolve_paths
@@ -27,7 +28,7 @@ from tasks.hashing import key_of
 from tasks.publish import publish
 from tasks.report import NODES, node_entry, write_report
 from tasks.remote_store import open_store
-from tasks.store import Store, StoreFull, track_repairs
+from tasks.store import CorruptArtifact, Store, StoreFull, track_repairs
 
 log = logging.getLogger("loraflow")
 USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError, StoreFull)
@@ -35,19 +36,33 @@ _KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "t
           "sample": sample.KIND}
 
 
+def _result(store: Store, state) -> dict | None:
+    """The node's result the store holds under the key Prefect returned (a copy, with that key as "ref"), or
+    None."""
+    try:
+        returned = dict(state.result())
+        ref = returned.pop("result")
+        return {**load(store, RESULTS, ref), **returned, "ref": ref}
+    except (CorruptArtifact, KeyError, TypeError):  # TypeError: a result persisted before results were stored
+        return None
+
+
 def _run(task, store: Store, **params) -> dict:
     """Run a node; if Prefect answers from its cache, check our store still holds every item it names
     (Prefect cannot know), and recompute otherwise. Adds the node's wall time."""
     start = time.perf_counter()
     state = task(**params, return_state=True)
-    result = state.result()
+    result = _result(store, state)
     if state.name == "Cached":
-        kind, keys = _KINDS[task.name], set(result["items"].values())
-        if all(store.valid(kind, k) for k in keys) and all_valid(store, result.get("checkpoint_samples", {})):
+        kind = _KINDS[task.name]
+        keys = set(result["items"].values()) if result else set()
+        if result and store.all_intact(kind, keys) and \
+                all_valid(store, result.get("checkpoint_samples", {})):
             result = {**result, "computed": 0, "reused": len(keys), "repaired": []}
         else:
             log.warning("%s: Prefect's cached result names artifacts the store lacks; recomputing", task.name)
-            result = task.with_options(refresh_cache=True)(**params, return_state=True).result()
+            result = _result(store, task.with_options(refresh_cache=True)(**params, return_state=True))
+    store.save_indexes()  # what this node verified or wrote: the next run's no-op answers from stat calls
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -72,9 +87,12 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     checked["key"] = key_of(checked["inputs"])
 
     # runner=dask: the missing items are computed on the cluster first; the nodes then find them stored
-    workers = fill_on_dask(cfg, plan, store) if cfg["runner"]["name"] == "dask" else None
-    latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan)
-    texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan)
+    # The tasks get the plan's key: Prefect never walks 100,000 items. The memory estimate (free RAM now) is
+    # for the report only: left out, the same dataset and config give the same plan entry run after run.
+    plan_key = keep(store, PLANS, {k: v for k, v in plan.items() if k != "memory"})
+    workers = fill_on_dask(cfg, plan, plan_key, store) if cfg["runner"]["name"] == "dask" else None
+    latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
+    texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
     for node, result in (("cache_latents", latents), ("cache_text", texts)):  # report: who computed what
         on_dask = workers[node] if workers else {"workers": {"local": result["computed"]}, "seconds": 0.0,
                                                  "computed": result["computed"]}
@@ -83,9 +101,9 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                       workers={w: n for w, n in on_dask["workers"].items() if n},
                       seconds=result["seconds"] + on_dask["seconds"])
     lora = _run(train_task, store, key=train.key_of_node(cfg, plan, latents["items"], texts["items"]), cfg=cfg,
-                plan=plan, latent_keys=latents["items"], text_keys=texts["items"], run_dir=str(run_dir))
+                plan=plan_key, latents=latents["ref"], texts=texts["ref"], run_dir=str(run_dir))
     samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,
-                   plan=plan, lora_key=lora["key"], lora_file=lora["lora"], text_keys=texts["items"])
+                   plan=plan_key, lora=lora["ref"], texts=texts["ref"])
 
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
@@ -102,7 +120,9 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
-    store.write_record(config_name, {"inputs": {n: r["inputs"] for n, r in results.items()}})
+    inputs = {n: r["inputs"] for n, r in results.items()}
+    if inputs != previous:  # a no-op over 100,000 items writes nothing
+        store.write_record(config_name, {"inputs": inputs})
     log_nodes(report["nodes"], cfg)
     log.info("LoRA:    %s", artifacts["lora"])
     log.info("samples: %s (grid: %s)", run_dir / "samples", artifacts["grid"])
@@ -167,7 +187,8 @@ def _hydra_main() -> None:
         overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
         console.quiet_user_errors(USER_ERRORS)
         try:
-            check_config_only(hc.job.config_name, overrides)  # a sweep member's bad config: no flow run
+            if hc.mode == RunMode.MULTIRUN:  # a sweep member's bad config: no flow run (a single run's was checked)
+                check_config_only(hc.job.config_name, overrides)
             out = train_flow(config_name=hc.job.config_name, overrides=overrides)
         except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
             console.exit_interrupted(e)

@@ -67,7 +67,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     if status.missing:
-        todo = [it for it in plan["items"] if keys[it["name"]] in set(status.missing)]
+        missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
+        todo = [it for it in plan["items"] if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         vae = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_vae)

@@ -36,13 +36,19 @@ def caption_owner(item: dict) -> str:
     return item.get("flip_of", item["name"])
 
 
+def caption_texts_of(cfg: dict):
+    """item -> caption_texts of that item, with the augmentation settings read once (100,000 items)."""
+    aug = caption_aug(cfg)
+    if augment.text_mode(te_lora.text_settings(cfg), aug) != "cached":
+        return lambda item: {}
+    seed = cfg["text"]["variants_seed"]
+    return lambda item: augment.cached_texts(item["caption"], aug, seed)
+
+
 def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
     """label -> text of every caption text training reads from the cache for this item (with augmentation:
     each variant and warm-up truncation); empty when training encodes captions itself."""
-    aug = caption_aug(cfg)
-    if augment.text_mode(te_lora.text_settings(cfg), aug) != "cached":
-        return {}
-    return augment.cached_texts(item["caption"], aug, cfg["text"]["variants_seed"])
+    return caption_texts_of(cfg)(item)
 
 
 def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
@@ -51,8 +57,9 @@ def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
     with train.text_encoder_lr: train and sample encode every text with the encoders being trained."""
     if te_lora.enabled(cfg):
         return {}
+    texts_of = caption_texts_of(cfg)
     texts = {caption_name(it["name"], label): text for it in plan["items"] if "flip_of" not in it
-             for label, text in caption_texts(cfg, plan, it).items()}  # a flipped twin has its source's texts
+             for label, text in texts_of(it).items()}  # a flipped twin has its source's texts
     for p in plan["prompts"]:
         texts[f"prompt:{p['line']}"] = p["prompt"]
         if p["negative"]:
@@ -66,7 +73,8 @@ def text_key(cfg: dict, plan: dict, text: str) -> str:
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
-    return {name: text_key(cfg, plan, text) for name, text in named_texts(plan, cfg).items()}
+    p = params(cfg, plan)
+    return {name: key_of({**p, "text": text}) for name, text in named_texts(plan, cfg).items()}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
@@ -97,7 +105,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     live = {"text_encoding": te_lora.LIVE} if te_lora.enabled(cfg) else {}  # report: nodes.cache_text
     if live:
         log.info("cache_text: nothing to encode: text encoding is %s", te_lora.LIVE)
-    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan), caption_texts=captions,
+    node_inputs = inputs(cfg, plan)
+    return node_result(key_of(node_inputs), keys, status, node_inputs, caption_texts=captions,
                        distinct_texts=len(set(keys.values())), **live)
 
 

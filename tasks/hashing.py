@@ -36,6 +36,13 @@ def key_of(inputs: Mapping[str, Any]) -> str:
     return digest_text(canonical_json(inputs))
 
 
+def key_of_hex(parts) -> str:
+    """key_of(list(parts)) for parts that are hex digests, without json.dumps: the same key, about ten times
+    faster (the train node's key names 100,000 items by two such lists each)."""
+    parts = list(parts)
+    return digest_text('["' + '","'.join(parts) + '"]' if parts else "[]")
+
+
 def digest_tree(folder: str | os.PathLike, digest=digest_file) -> str:
     """Identity of a folder (a model component): its relative file names and their content digests.
 

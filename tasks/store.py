@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from tasks import debris
-from tasks.hashing import digest_file, digest_text, digest_tree, key_of
+from tasks.entry_index import EntryIndex
+from tasks.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
 
 MANIFEST = "manifest.json"
 _MANIFEST_FIELDS = {"kind", "key", "file", "sha256", "size", "meta"}
@@ -154,6 +155,7 @@ class Store:
         self.root = Path(root).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "tmp").mkdir(exist_ok=True)
+        self._indexes: dict[str, EntryIndex] = {}
 
     # -- locations -------------------------------------------------------------------------------
     def entry_dir(self, kind: str, key: str) -> Path:
@@ -221,6 +223,8 @@ class Store:
                 raise OSError(f"{final}: could not commit the entry")
             if not recomputable:
                 _fsync_dir(final.parent)
+            if data.suffix:  # a file entry (a model folder has no stat signature worth keeping)
+                self._index(kind).add(key, str(final), data.name)
             return final / data.name
         except BaseException as e:
             if _disk_full(e):
@@ -244,6 +248,34 @@ class Store:
         text = json.dumps(obj, indent=1, sort_keys=True)
         return self.put(kind, key, ".json", lambda p: p.write_text(text), meta)
 
+    # -- a flow's own bookkeeping: plans and node results, by the digest of their content -----------
+    # Not artifacts (they name paths of this store and machine), so kept beside the entries, like run records.
+    def _state_path(self, area: str, key: str) -> Path:
+        return self.root / "flowstate" / area / key[:2] / f"{key}.json"
+
+    def put_state(self, area: str, obj: Any) -> str:
+        """Writes `obj` as JSON named by its content's sha256 (once; atomically); returns that key."""
+        data = canonical_json(obj).encode()
+        key = digest_bytes(data)
+        path = self._state_path(area, key)
+        if not path.is_file():
+            path.parent.parent.mkdir(parents=True, exist_ok=True)
+            self._write_small(path, data, f"the {area} record {key[:12]}")
+        return key
+
+    def get_state(self, area: str, key: str) -> Any:
+        """The JSON put_state wrote under `key`, checked against it; CorruptArtifact when missing or altered."""
+        path = self._state_path(area, key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise CorruptArtifact(f"{path}: missing") from e
+        if digest_bytes(data) != key:
+            _note_repair(f"flowstate/{area}/{key}")
+            path.unlink(missing_ok=True)
+            raise CorruptArtifact(f"{path}: content does not match its name")
+        return json.loads(data)
+
     # -- reading ---------------------------------------------------------------------------------
     def verify(self, kind: str, key: str) -> Path:
         """Path of the entry's data after checking size and digest; CorruptArtifact otherwise."""
@@ -261,6 +293,42 @@ class Store:
             raise CorruptArtifact(f"{entry}: missing {Path(e.filename).name if e.filename else 'file'}") from e
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptArtifact(f"{entry}: unreadable entry ({e})") from e
+
+    def _index(self, kind: str) -> EntryIndex:
+        if kind not in self._indexes:
+            self._indexes[kind] = EntryIndex(self.root, kind)
+        return self._indexes[kind]
+
+    def intact(self, kind: str, key: str) -> bool:
+        """valid(), answered from two stat calls when the entry's files are as they were when last verified
+        (tasks/entry_index.py); entries verified here are remembered for the next run (save_indexes)."""
+        entry = f"{self.root}/{kind}/{key[:2]}/{key}"  # = entry_dir, without pathlib's cost (100,000 entries)
+        index = self._index(kind)
+        if index.intact(key, entry):
+            return True
+        try:
+            data = self.verify(kind, key)
+        except CorruptArtifact:
+            return False
+        if data.is_file():
+            index.add(key, entry, data.name)
+        return True
+
+    def unchanged(self, kind: str, keys) -> set[str]:
+        """The keys whose entries are as they were when last written or verified, in one pass of stat calls
+        (no entry is read); intact() answers the others."""
+        root = str(self.root)
+        return set(self._index(kind).unchanged(keys, lambda k: f"{root}/{kind}/{k[:2]}/{k}"))
+
+    def all_intact(self, kind: str, keys) -> bool:
+        keys = list(dict.fromkeys(keys))
+        seen = self.unchanged(kind, keys)
+        return all(k in seen or self.intact(kind, k) for k in keys)
+
+    def save_indexes(self) -> None:
+        """Writes what this process verified or wrote into the store's index files (one per kind)."""
+        for index in self._indexes.values():
+            index.save(lambda path, data: self._write_small(path, data, f"the store index {path.name}"))
 
     def exists(self, kind: str, key: str) -> bool:
         return (self.entry_dir(kind, key) / MANIFEST).is_file()
@@ -299,6 +367,8 @@ class Store:
     # -- repair ----------------------------------------------------------------------------------
     def _discard(self, entry: Path) -> None:
         """Move a corrupt entry out of the way (renamed first, so readers never see it half-deleted)."""
+        if entry.parent.parent.name in self._indexes:
+            self._indexes[entry.parent.parent.name].forget(entry.name)
         trash = self.tmp_path(f"corrupt-{entry.name[:16]}")
         try:
             os.rename(entry, trash)

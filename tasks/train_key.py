@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 from tasks import augment, cache_text
 from tasks import text_encoder_lora as te_lora
-from tasks.hashing import key_of
+from tasks.hashing import key_of, key_of_hex
 from tasks.models import adapter_class
 from tasks.runtime import runtime
 
@@ -34,8 +34,13 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
 
     held = set(plan.get("validation_items", []))  # data.validation_split: scored, never trained
 
+    texts_of, live = cache_text.caption_texts_of(cfg), cache_text.params(cfg, plan)
+
     def pair(it):
-        return key_of([latent_keys[it["name"]], _caption_key(cfg, plan, text_keys, it), *_draws(it)])
+        draws = _draws(it)
+        if draws:
+            return key_of([latent_keys[it["name"]], _caption_key(texts_of, live, text_keys, it), *draws])
+        return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live, text_keys, it)])
 
     pairs = {f"item:{it['name']}": pair(it) for it in plan["items"] if it["name"] not in held}
     unused = _unused(cfg["train"])
@@ -121,13 +126,14 @@ def trajectory_key(node_inputs: dict, tc: dict) -> str:
     return key_of(keep)
 
 
-def _caption_key(cfg: dict, plan: dict, text_keys: dict, item: dict) -> str:
+def _caption_key(texts_of, live_params: dict, text_keys: dict, item: dict) -> str:
     """The caption's identity for the training key: its cached texts' keys (all variants), or, when
-    training encodes captions itself, the key its cached item would have (text + encoders + settings)."""
-    labels = cache_text.caption_texts(cfg, plan, item)
+    training encodes captions itself, the key its cached item would have (text + encoders + settings).
+    `texts_of`: cache_text.caption_texts_of(cfg); `live_params`: cache_text.params(cfg, plan)."""
+    labels = texts_of(item)
     if labels:
         owner = cache_text.caption_owner(item)  # a flipped twin's caption is its source's
-        return key_of(sorted(text_keys[cache_text.caption_name(owner, label)] for label in labels))
-    return cache_text.text_key(cfg, plan, item["caption"])
+        return key_of_hex(sorted(text_keys[cache_text.caption_name(owner, label)] for label in labels))
+    return key_of({**live_params, "text": item["caption"]})
 
 

@@ -9,7 +9,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from peft import LoraConfig
 
 from tasks.fp8_base import store_base_low
 from tasks.memory import layerwise_skip_patterns, lora_targets
@@ -85,6 +84,8 @@ def update_ema(ema: dict, named: dict, decay: float) -> None:
 def prepare_denoiser(adapter, cfg: dict):
     """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
     checkpointing. Returns (denoiser, {name: trainable parameter})."""
+    from peft import LoraConfig  # here: a no-op run never trains, and peft takes a second to import
+
     tc = cfg["train"]
     denoiser = adapter.load_denoiser()
     denoiser.requires_grad_(False)

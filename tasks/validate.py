@@ -13,6 +13,7 @@ from tasks import text_encoder_lora as te_lora
 from tasks.config import ConfigError
 from tasks.dataset import SHARED_CAPTION, SKIPPED
 from tasks.hashing import digest_file, key_of
+from tasks.image_memo import ImageMemo
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
 from tasks.sizes import bucket_sizes, nearest_bucket, resolve_size
@@ -264,7 +265,11 @@ def run(cfg: dict, store: Store) -> dict:
 
     dc = cfg["data"]
     chosen, layout_warnings = subsets.resolve(dc)
-    checked = subsets.check(dc, chosen)
+    memos = {}  # per folder: images decoded and digested before, by stat (tasks/image_memo.py)
+    checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
+        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)))
+    for memo in memos.values():
+        memo.save(lambda path, data: store._write_small(path, data, f"the image memo {path.name}"))
     # (item, its name, its subset) of every subset, in subset order
     items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]
     findings = sorted((f for _, check in checked for f in check.findings), key=lambda f: (f.file, f.reason))
@@ -297,7 +302,7 @@ def run(cfg: dict, store: Store) -> dict:
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
     # repeats / is_reg only where not at their defaults: a plain folder's plan (and keys) stay as they were
-    plan_items = [{"name": name, "image": str(it.image_path), "image_digest": digest_file(it.image_path),
+    plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area

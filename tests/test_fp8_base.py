@@ -179,19 +179,27 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     assert [s for s in saved_lc if s[0] == BF16 and s[1] in low]
 
 
-# FLUX.2 [klein] and [dev] are left out here to keep the suite's time (their whole DAGs run in
-# tests/test_families.py and tests/test_flux2_dev.py, their fp8 gradients above); [klein] passed this test when
-# added (47 s on 2 busy cores).
-@pytest.mark.parametrize("family", [f for f in FAMILIES if not f.startswith("flux2")])
-def test_every_family_trains_on_an_fp8_base_through_the_cli(family, tmp_path):
+@pytest.fixture(scope="module")
+def fp8_sweep(tmp_path_factory):
+    """Every family on an fp8 base through the CLI, as one Hydra sweep (`-m model=...`): one process and one
+    Prefect API for all eight, instead of one start-up each. Member i trained FAMILIES[i]."""
+    tmp_path = tmp_path_factory.mktemp("fp8-cli")
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)
-    run_dir = tmp_path / "run"
-    proc = _cli([f"model=tiny_{family}", "model.storage_dtype=float8_e4m3fn", f"data.dir={data}",
-                 f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}", "train.max_steps=2",
-                 "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
+    sweep = tmp_path / "sweep"
+    proc = _cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), "model.storage_dtype=float8_e4m3fn",
+                 f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
+                 "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
+    return proc, sweep
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_on_an_fp8_base_through_the_cli(family, fp8_sweep):
+    proc, sweep = fp8_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((run_dir / "report.json").read_text())
+    member = sweep / str(FAMILIES.index(family))
+    assert (member / ".hydra" / "overrides.yaml").read_text().count(f"model=tiny_{family}\n") == 1
+    report = json.loads((member / "report.json").read_text())
     assert set(report["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
     assert report["nodes"]["train"]["status"] == "ran" and len(report["loss"]) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in report["loss"])

@@ -62,6 +62,13 @@ class TransformerAdapter(FamilyAdapter):
     and a sampler built from its pipeline without the text encoders (it samples from cached embeddings)."""
     flow_matching = True
     sample_parts: dict  # from_pretrained arguments that leave the text encoders and tokenizers out
+    # Every transformer family's layout; a family with several text encoders (Flux, SD3) names its own.
+    single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors, z_image_turbo_bf16.safetensors: the transformer only
+    latent_components = ("vae",)
+    text_components = ("tokenizer", "text_encoder")
+    denoiser_components = ("transformer",)
+    sample_components = ("transformer", "vae", "scheduler")
+    size_multiple = 16  # VAE /8, then 2x2 patches
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         self.pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,

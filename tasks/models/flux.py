@@ -22,12 +22,7 @@ class FluxAdapter(TransformerAdapter):
     family = "flux"
     pipeline_cls, denoiser_cls, denoiser_subfolder = FluxPipeline, FluxTransformer2DModel, "transformer"
     sample_parts = _SAMPLE_PARTS
-    single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
-    latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
-    denoiser_components = ("transformer",)
-    sample_components = ("transformer", "vae", "scheduler")
-    size_multiple = 16
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):

@@ -20,12 +20,6 @@ class Flux2Adapter(TransformerAdapter):
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
     denoiser_cls, denoiser_subfolder = Flux2Transformer2DModel, "transformer"
     sample_parts = SAMPLE_PARTS
-    single_file_holds = "denoiser"
-    latent_components = ("vae",)
-    text_components = ("tokenizer", "text_encoder")
-    denoiser_components = ("transformer",)
-    sample_components = ("transformer", "vae", "scheduler")
-    size_multiple = 16  # VAE /8, then 2x2 patches
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):

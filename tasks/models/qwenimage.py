@@ -20,12 +20,6 @@ class QwenImageAdapter(TransformerAdapter):
     family = "qwenimage"
     pipeline_cls, denoiser_cls, denoiser_subfolder = QwenImagePipeline, QwenImageTransformer2DModel, "transformer"
     sample_parts = _SAMPLE_PARTS
-    single_file_holds = "denoiser"  # e.g. qwen_image_bf16.safetensors: the transformer only
-    latent_components = ("vae",)
-    text_components = ("tokenizer", "text_encoder")
-    denoiser_components = ("transformer",)
-    sample_components = ("transformer", "vae", "scheduler")
-    size_multiple = 16  # VAE /8, then 2x2 patches
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):

@@ -19,12 +19,7 @@ class SD3Adapter(TransformerAdapter):
     family = "sd3"
     pipeline_cls, denoiser_cls, denoiser_subfolder = StableDiffusion3Pipeline, SD3Transformer2DModel, "transformer"
     sample_parts = _SAMPLE_PARTS
-    single_file_holds = "denoiser"  # e.g. flux1-dev.safetensors: the transformer only
-    latent_components = ("vae",)
     text_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
-    denoiser_components = ("transformer",)
-    sample_components = ("transformer", "vae", "scheduler")
-    size_multiple = 16  # VAE /8, then 2x2 patches
 
     # The SD3 LoRA example's --precondition_outputs (default 1): the loss compares x0 estimates
     # (x_t - sigma * v against x0) rather than velocities; that is the velocity loss weighted by sigma^2.

@@ -1,0 +1,86 @@
+"""What validate learned from each image file (its bytes' sha256, its size, conversions, or why it cannot be
+used), remembered by the file's size, mtime and inode: a re-run decodes and digests only new or changed
+files (`dvc status`'s trade-off, as tasks/filedigests.py makes it for model weights).
+
+A file modified within the memo's own clock tick would keep its mtime (git's "racy" entries), so a file
+changed in the last two seconds is never remembered; it is read again next run. One JSON file per image
+folder, `<store>/index/images/<folder digest>.json`, with a digest of its content: a torn or altered memo
+is ignored (every image is read again). `store.rehash=true` ignores it too."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from tasks.hashing import digest_bytes, digest_text, key_of
+from tasks.images import ImageLoadError, decode_image
+
+log = logging.getLogger("loraflow")
+RACY_NS = 2_000_000_000
+
+
+def _encode(entries: dict) -> str:
+    return json.dumps(entries, sort_keys=True, separators=(",", ":"))
+
+
+class ImageMemo:
+    def __init__(self, store_root: Path, folder: Path, use_stored: bool = True):
+        self.path = Path(store_root) / "index" / "images" / f"{key_of({'folder': str(folder.resolve())})[:32]}.json"
+        self._entries = self._read() if use_stored else {}
+        self._new: dict[str, list] = {}
+        self._forgot = False
+        self.decoded = 0  # images read and decoded in this run (the rest came from the memo)
+
+    def _read(self) -> dict:
+        try:
+            raw = json.loads(self.path.read_bytes())
+            if raw["check"] != digest_text(_encode(raw["entries"])):
+                raise ValueError("its content does not match its digest")
+            return raw["entries"]
+        except FileNotFoundError:
+            return {}
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("image memo %s is unreadable (%s): every image is read again", self.path, e)
+            return {}
+
+    def facts(self, path: Path, name: str) -> tuple[str | None, tuple[int, int] | None, list, str | None]:
+        """(reason it cannot be used or None, size, conversion notes, sha256 of its bytes) of one image."""
+        st = os.stat(path)
+        sig = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self._entries.get(name)
+        if hit is not None and hit[0] == sig:
+            _, reason, size, notes, digest = hit
+            return reason, size and tuple(size), [tuple(n) for n in notes], digest
+        self.decoded += 1
+        try:
+            try:
+                data = Path(path).read_bytes()
+            except OSError:  # unreadable: decode_image says why, as it always has
+                data = None
+            digest = data is not None and digest_bytes(data) or None
+            img, notes = decode_image(path, data)
+            reason, size = None, list(img.size)
+        except ImageLoadError as e:
+            reason, size, notes, digest = e.reason, None, [], None
+        if time.time_ns() - st.st_mtime_ns > RACY_NS:
+            self._new[name] = [sig, reason, size, [list(n) for n in notes], digest]
+        return reason, size and tuple(size), notes, digest
+
+    def keep_only(self, names: set[str]) -> None:
+        """Forget images no longer in the folder, so the memo does not grow with every file ever seen."""
+        if set(self._entries) - names:
+            self._entries = {k: v for k, v in self._entries.items() if k in names}
+            self._forgot = True
+
+    def save(self, write) -> None:
+        """`write(path, bytes)` replaces a file atomically; only when something was learned or forgotten."""
+        if not (self._new or self._forgot):
+            return
+        entries = {**self._entries, **self._new}
+        text = _encode(entries)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write(self.path, json.dumps({"check": digest_text(text), "entries": entries},
+                                    sort_keys=True, separators=(",", ":")).encode())
+        self._entries, self._new, self._forgot = entries, {}, False
