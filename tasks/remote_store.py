@@ -112,6 +112,26 @@ class RemoteStore(Store):
         if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
 
+    # -- plans and node results: Dask workers and sweep members on other machines read them by key ---
+    def put_state(self, area: str, obj) -> str:
+        key = super().put_state(area, obj)
+        remote = f"{self.base.rstrip('/')}/flowstate/{area}/{key[:2]}/{key}.json"
+        if not self.fs.exists(remote):
+            self.fs.pipe_file(remote, self._state_path(area, key).read_bytes())
+        return key
+
+    def get_state(self, area: str, key: str):
+        path = self._state_path(area, key)
+        if not path.is_file():
+            try:  # checked against its key by Store.get_state, like any local copy
+                data = self.fs.cat_file(f"{self.base.rstrip('/')}/flowstate/{area}/{key[:2]}/{key}.json")
+            except FileNotFoundError:
+                data = None
+            if data is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._write_small(path, data, f"the {area} record {key[:12]}")
+        return super().get_state(area, key)
+
     # -- the last run per config name lives on the remote, so `changed` works across machines ----
     def write_record(self, name: str, obj) -> None:
         super().write_record(name, obj)

@@ -96,3 +96,20 @@ def test_flow_on_a_url_store_second_machine_recomputes_nothing(prefect_api, url,
     lora = lambda r: Path(r["artifacts"]["lora"]).read_bytes()  # noqa: E731
     assert lora(first) == lora(second)
     assert second["artifacts"]["samples"] and all(Path(p).is_file() for p in second["artifacts"]["samples"])
+
+
+def test_plans_and_results_reach_another_machine_by_key(url, tmp_path):
+    """A Dask worker or sweep member on another machine gets the plan's key from Prefect and reads the plan
+    from the shared store; a tampered remote copy is refused (its content must match its key)."""
+    from tasks.store import CorruptArtifact
+
+    one = open_store({"root": url, "cache_dir": str(tmp_path / "m1")})
+    key = one.put_state("plans", {"items": [{"name": "a.png"}]})
+    two = open_store({"root": url, "cache_dir": str(tmp_path / "m2")})
+    assert two.get_state("plans", key) == {"items": [{"name": "a.png"}]}
+
+    other = one.put_state("results", {"items": {"a.png": "k"}})
+    one.fs.pipe_file(f"{one.base.rstrip('/')}/flowstate/results/{other[:2]}/{other}.json", b'{"items":{}}')
+    three = open_store({"root": url, "cache_dir": str(tmp_path / "m3")})
+    with pytest.raises(CorruptArtifact):
+        three.get_state("results", other)
