@@ -34,13 +34,18 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
 
     held = set(plan.get("validation_items", []))  # data.validation_split: scored, never trained
 
-    texts_of, live = cache_text.caption_texts_of(cfg), cache_text.params(cfg, plan)
+    texts_of, live = cache_text.caption_texts_of(cfg), {}
+
+    def live_params() -> dict:  # cache_text.params, read once and only when a caption is encoded live
+        if not live:
+            live.update(cache_text.params(cfg, plan))
+        return live
 
     def pair(it):
         draws = _draws(it)
         if draws:
-            return key_of([latent_keys[it["name"]], _caption_key(texts_of, live, text_keys, it), *draws])
-        return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live, text_keys, it)])
+            return key_of([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *draws])
+        return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it)])
 
     pairs = {f"item:{it['name']}": pair(it) for it in plan["items"] if it["name"] not in held}
     unused = _unused(cfg["train"])
@@ -126,14 +131,14 @@ def trajectory_key(node_inputs: dict, tc: dict) -> str:
     return key_of(keep)
 
 
-def _caption_key(texts_of, live_params: dict, text_keys: dict, item: dict) -> str:
+def _caption_key(texts_of, live_params, text_keys: dict, item: dict) -> str:
     """The caption's identity for the training key: its cached texts' keys (all variants), or, when
     training encodes captions itself, the key its cached item would have (text + encoders + settings).
-    `texts_of`: cache_text.caption_texts_of(cfg); `live_params`: cache_text.params(cfg, plan)."""
+    `texts_of`: cache_text.caption_texts_of(cfg); `live_params()`: cache_text.params(cfg, plan)."""
     labels = texts_of(item)
     if labels:
         owner = cache_text.caption_owner(item)  # a flipped twin's caption is its source's
         return key_of_hex(sorted(text_keys[cache_text.caption_name(owner, label)] for label in labels))
-    return key_of({**live_params, "text": item["caption"]})
+    return key_of({**live_params(), "text": item["caption"]})
 
 
