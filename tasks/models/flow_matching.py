@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 from tasks.models.base import FamilyAdapter
@@ -70,12 +69,6 @@ class TransformerAdapter(FamilyAdapter):
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
-
-    def default_lora_targets(self):
-        return self.LORA_TARGETS  # a family's own (a regex over module paths or suffixes), or its override
-
-    def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         self.pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,

@@ -5,7 +5,7 @@ import logging
 from types import SimpleNamespace
 
 import torch
-from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
@@ -76,6 +76,12 @@ class FluxAdapter(TransformerAdapter):
                     r"|ff(_context)?\.net\.(0\.proj|2))"
                     r"|single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out)")
     train_version = "2"  # 2: LoRA targets by full path, without the final layer (the LoRA's bytes changed)
+
+    def default_lora_targets(self):
+        return self.LORA_TARGETS
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape

@@ -7,7 +7,7 @@ how sampling uses a negative prompt."""
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
@@ -57,6 +57,12 @@ class Flux2Adapter(TransformerAdapter):
     LORA_TARGETS = (r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
                     r"|ff(_context)?\.linear_(in|out))"
                     r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+
+    def default_lora_targets(self):
+        return self.LORA_TARGETS
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape

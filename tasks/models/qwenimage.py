@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
 
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
@@ -59,6 +59,9 @@ class QwenImageAdapter(TransformerAdapter):
     def default_lora_targets(self):
         # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
         return ["to_k", "to_q", "to_v", "to_out.0"]
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape

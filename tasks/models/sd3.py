@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import torch
-from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
@@ -63,6 +63,9 @@ class SD3Adapter(TransformerAdapter):
         # (The last block is context_pre_only and has no to_add_out; PEFT skips names that are absent.)
         return ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import AutoModel, AutoTokenizer
 
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
@@ -84,6 +84,12 @@ class ZImageAdapter(TransformerAdapter):
     # train. Not the embedders, the adaLN modulation or the final layer.
     LORA_TARGETS = (r"(layers|noise_refiner|context_refiner)\.\d+\."
                     r"(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])")
+
+    def default_lora_targets(self):
+        return self.LORA_TARGETS
+
+    def load_train_scheduler(self):
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
