@@ -37,9 +37,10 @@ from __future__ import annotations
 import hashlib
 import math
 
-import torch
-
 from tasks.augment_config import CaptionAug, errors, from_config, setting  # the settings, read from the config
+from tasks.lazy import lazy
+
+torch = lazy("torch")
 
 __all__ = ["CaptionAug", "from_config", "errors", "active", "randomizes", "warmup_steps", "split_tags",
            "split_parts", "warmup_lengths", "length_at", "label", "variant", "canonical", "cached_texts",

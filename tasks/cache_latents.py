@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from PIL import ImageOps
 
 from tasks.images import image_to_tensor_and_geometry, read_image
@@ -11,8 +10,11 @@ from tasks.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
 from tasks.models import adapter_class, make_adapter
 from tasks.config import ConfigError
+from tasks.lazy import lazy
 from tasks.runtime import runtime
 from tasks.store import Store
+
+torch = lazy("torch")
 
 CODE_VERSION = "1"
 KIND = "latents"

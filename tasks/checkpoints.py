@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import math
 
-import torch
-
 from tasks.hashing import key_of
+from tasks.lazy import lazy
 from tasks.store import Store
+
+torch = lazy("torch")
 
 KIND = "checkpoints"
 log = logging.getLogger("loraflow")

@@ -41,12 +41,13 @@ import uuid
 import warnings
 from pathlib import Path
 
-import torch
-from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
-from safetensors import safe_open
-from safetensors.torch import save_file
-
+from tasks.lazy import lazy
 from tasks.store import canonicalize_safetensors
+
+torch = lazy("torch")
+state_dict_utils = lazy("diffusers.utils.state_dict_utils")
+safetensors = lazy("safetensors")
+st = lazy("safetensors.torch")
 
 FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
@@ -190,7 +191,7 @@ def _sgm_name(key: str) -> str | None:
 
 
 def _unet_to_kohya(family, peft_state_dict, alpha):
-    out = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict.items()})
+    out = state_dict_utils.convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict.items()})
     # diffusers writes alpha = rank (scale 1), right only when alpha == rank: store the trained alpha.
     out = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v.contiguous() for k, v in out.items()}
     if family == "sdxl":
@@ -275,7 +276,7 @@ def bake_alpha(state_dict: dict[str, torch.Tensor], metadata: dict[str, str]):
 
 def save_diffusers(path, src) -> Path:
     """The diffusers file `src` with its alpha baked in (`bake_alpha`), written atomically to `path`."""
-    with safe_open(str(src), "pt") as f:
+    with safetensors.safe_open(str(src), "pt") as f:
         tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     return _write(path, *bake_alpha(tensors, metadata))
 
@@ -291,7 +292,7 @@ def _write(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # same dir: os.replace must not cross fs
     try:
-        save_file(tensors, str(tmp), metadata=dict(metadata))
+        st.save_file(tensors, str(tmp), metadata=dict(metadata))
         canonicalize_safetensors(tmp)  # safetensors orders metadata by hash: fix the bytes
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

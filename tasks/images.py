@@ -11,8 +11,11 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from tasks.lazy import lazy
+
+torch = lazy("torch")
 
 # (reason, policy): why a file was not used as stored, and what was done about it.
 Note = tuple[str, str]

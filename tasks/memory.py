@@ -15,6 +15,8 @@ import re
 import struct
 from pathlib import Path
 
+from tasks.runtime import cuda_available
+
 GB = 1024 ** 3
 # Saved values per token x width, measured (bench/memory.json; 1024 px / 512 px):
 ACT_FACTOR = 22.6  # per block, no checkpointing: Flux's double/single mean, outside layers included (22.5/22.7)
@@ -121,8 +123,9 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     config = json.loads((folder / "config.json").read_text())
     shapes = _weights(folder)
     params = sum(_numel(s) for s in shapes.values())
-    weight_bytes = stored_weight_bytes(shapes, mc["dtype"], mc["storage_dtype"],
-                                       layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)))
+    # the skip patterns matter only with an fp8 base (and import diffusers: not for every no-op run)
+    skip = layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)) if mc["storage_dtype"] else ()
+    weight_bytes = stored_weight_bytes(shapes, mc["dtype"], mc["storage_dtype"], skip)
     lora = _lora_params(shapes, targets, tc["rank"])
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
@@ -143,9 +146,9 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
 
 def available_gb() -> tuple[float, str]:
     """Free memory of the training device (CUDA), else the machine's available RAM."""
-    import torch
+    if cuda_available():
+        import torch
 
-    if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
         return free / GB, f"free memory of {torch.cuda.get_device_name()}"
     meminfo = Path("/proc/meminfo")
@@ -194,7 +197,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
 
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
-                        c["model"]["max_sequence_length"], adapter.denoiser_cls)
+                        c["model"]["max_sequence_length"], adapter.denoiser_cls if c["model"]["storage_dtype"] else None)
 
     est = estimate_for(cfg)
     limit = cfg["train"]["memory_limit_gb"]

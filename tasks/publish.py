@@ -9,13 +9,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from tasks import export
 from tasks.checkpoint_samples import publish_step
 from tasks.hashing import key_of
+from tasks.lazy import lazy
 from tasks.sample import make_grid, slug
 from tasks.store import Store
+
+st = lazy("safetensors.torch")
 
 KOHYA_KIND = "lora_kohya"
 DIFFUSERS_KIND = "lora_diffusers"
@@ -51,7 +52,7 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
             ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
             ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"],
             **te_lr)
-        denoiser, text_encoders = split_text_encoders(load_file(lora["lora"]))
+        denoiser, text_encoders = split_text_encoders(st.load_file(lora["lora"]))
         with store.tmp_dir("publish") as tmp:
             path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
                                      alpha, metadata, text_encoders)

@@ -22,13 +22,13 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from safetensors.torch import load_file
-from safetensors.torch import save as safetensors_bytes
-
 from tasks import debris
 from tasks.entry_index import EntryIndex
 from tasks.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
+from tasks.lazy import lazy
+
+torch = lazy("torch")
+st = lazy("safetensors.torch")
 
 MANIFEST = "manifest.json"
 _MANIFEST_FIELDS = {"kind", "key", "file", "sha256", "size", "meta"}
@@ -236,7 +236,7 @@ class Store:
     def put_tensors(self, kind: str, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None,
                     recomputable: bool = False) -> Path:
         # Serialized in memory (the bytes save_file writes): hashed there, written once, never read back.
-        blob = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"key": key})
+        blob = st.save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"key": key})
         return self.put(kind, key, ".safetensors", lambda p: p.write_bytes(blob), meta,
                         sha256=hashlib.sha256(blob).hexdigest(), recomputable=recomputable)
 
@@ -346,7 +346,7 @@ class Store:
     def get_tensors(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         path = self.verify(kind, key)
         try:
-            return load_file(str(path))
+            return st.load_file(str(path))
         except Exception as e:  # a header that passed the digest but is not safetensors: treat as corrupt
             raise CorruptArtifact(f"{path}: not a safetensors file ({e})") from e
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-import torch
-from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt, validation
@@ -24,11 +22,15 @@ from tasks.checkpoints import load_checkpoint as _load_checkpoint
 from tasks.checkpoints import save_checkpoint as _save_checkpoint
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
+from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.store import Store, canonicalize_safetensors
 from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
 from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
                                seed_everything, sum_gradients, update_ema)
+
+torch = lazy("torch")
+optimization = lazy("diffusers.optimization")
 
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
@@ -219,7 +221,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     denoiser.to(accelerator.device)
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
-    lr_schedule = get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
+    lr_schedule = optimization.get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
                                 num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
 

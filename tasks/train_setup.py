@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
-from tasks.fp8_base import store_base_low
+from tasks.lazy import lazy
 from tasks.memory import layerwise_skip_patterns, lora_targets
+
+torch = lazy("torch")
 
 
 def seed_everything(seed: int) -> None:
@@ -74,11 +75,11 @@ def make_ema(tc: dict, named: dict) -> dict | None:
     return {n: p.detach().clone() for n, p in named.items()}
 
 
-@torch.no_grad()
 def update_ema(ema: dict, named: dict, decay: float) -> None:
     """After an optimizer step: ema = decay * ema + (1 - decay) * w, for every LoRA weight (fp32, in place)."""
-    for n, p in named.items():
-        ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+    with torch.no_grad():
+        for n, p in named.items():
+            ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
 def prepare_denoiser(adapter, cfg: dict):
@@ -103,6 +104,8 @@ def prepare_denoiser(adapter, cfg: dict):
         # that saves only the fp8 weight (tasks/fp8_base.py). Embeddings and norms keep the compute dtype (no
         # fp8 index_select), the AdaLN modulation linears too unless model.storage_modulation. Applied after
         # peft wrapped the layers, so the LoRA layers' initial weights never pass through fp8.
+        from tasks.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
+
         store_base_low(denoiser, getattr(torch, cfg["model"]["storage_dtype"]), adapter.dtype,
                        layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)))
     if tc["gradient_checkpointing"]:
@@ -110,17 +113,17 @@ def prepare_denoiser(adapter, cfg: dict):
     return denoiser, named
 
 
-@torch.no_grad()
 def save_ema(named: dict, ema: dict, write: Callable[[], Path]) -> Path:
     """The EMA weights in the plain LoRA's file format: swapped into the LoRA layers while `write` writes them."""
-    plain = {n: p.detach().clone() for n, p in named.items()}
-    try:
-        for n, p in named.items():
-            p.copy_(ema[n])
-        return write()
-    finally:
-        for n, p in named.items():
-            p.copy_(plain[n])
+    with torch.no_grad():
+        plain = {n: p.detach().clone() for n, p in named.items()}
+        try:
+            for n, p in named.items():
+                p.copy_(ema[n])
+            return write()
+        finally:
+            for n, p in named.items():
+                p.copy_(plain[n])
 
 
 def sum_gradients(accelerator, params: list[torch.Tensor]) -> None:

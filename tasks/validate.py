@@ -16,6 +16,7 @@ from tasks.hashing import digest_file, key_of
 from tasks.image_memo import ImageMemo
 from tasks.models import adapter_class, component_ids, resolve_model
 from tasks.prompts import read_prompts
+from tasks.runtime import cuda_available
 from tasks.sizes import bucket_sizes, nearest_bucket, resolve_size
 from tasks.store import Store
 
@@ -123,9 +124,7 @@ def _check_ranges(cfg: dict) -> list[str]:
 
 def _check_device(cfg: dict) -> list[str]:
     """Settings this machine cannot run, each with the alternative."""
-    import torch
-
-    errors, cuda = [], torch.cuda.is_available()
+    errors, cuda = [], cuda_available()
     if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
         errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
     mp = cfg["train"]["mixed_precision"]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from tasks.config import ConfigError
 from tasks.hashing import key_of
+from tasks.lazy import lazy
+
+torch = lazy("torch")
 
 VALIDATION_SEED = "validation-1"  # the salt of the held-out choice and of the validation draws
 DRAWS = 4  # fixed (timestep, noise) draws per held-out item

@@ -2,20 +2,27 @@
 (components, text encoders, latent scaling, loss target, LoRA names, sampling) live in its module."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image
 
-if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
-    # transformers and huggingface_hub honour it; diffusers' "Loading pipeline components" bar does not
-    from diffusers.utils import logging as _diffusers_logging
+from tasks.lazy import lazy
 
-    _diffusers_logging.disable_progress_bar()
+torch = lazy("torch")
+
+
+def _quiet_diffusers_bars() -> None:
+    """HF_HUB_DISABLE_PROGRESS_BARS: transformers and huggingface_hub honour it; diffusers' "Loading pipeline
+    components" bar does not. Called before an adapter's first model load."""
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -35,9 +42,6 @@ def _check_loaded(file: Path, modules: dict[str, torch.nn.Module]) -> None:
                           f"model.config (e.g. {', '.join(missing[:3])}); is model.config the right base model?")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class FamilyAdapter(ABC):
     family: str
     # Components each node loads; their digests are the "model identity" in that node's keys.
@@ -49,11 +53,22 @@ class FamilyAdapter(ABC):
     size_multiple: int
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_sequence_length: int = 77):
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype={dtype}: one of float32, bfloat16, float16")
         self.model_dir = Path(model_dir)
         self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
         self.max_sequence_length = max_sequence_length
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # dtype and device read torch: made when first used, so validate's preflight (an adapter for its model
+    # paths and LoRA targets) imports no torch on a no-op run
+    @functools.cached_property
+    def dtype(self) -> torch.dtype:
+        _quiet_diffusers_bars()  # the first model load is near
+        return getattr(torch, self.dtype_name)
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def make_generator(self, pipe, seed: int, generator_device: str) -> torch.Generator:
         """The sampler's generator lives on the device of the tensors it fills. "cpu" (default): diffusers'

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
-
+from tasks.lazy import lazy
 from tasks.models.base import FamilyAdapter
 from tasks.models.losses import flow_loss, offset_noise
+
+torch = lazy("torch")
+training_utils = lazy("diffusers.training_utils")
 
 
 def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators: list[torch.Generator]):
@@ -20,7 +21,7 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
     # CPU generators fill CPU tensors, which then move to the latents' device: same draws on any machine.
     noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generators])
     noise = noise.to(latents.device)
-    u = torch.cat([compute_density_for_timestep_sampling(
+    u = torch.cat([training_utils.compute_density_for_timestep_sampling(
         weighting_scheme=train_cfg["weighting_scheme"], batch_size=1, logit_mean=train_cfg["logit_mean"],
         logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=g) for g in generators])
     mode = train_cfg.get("timestep_sampling", "sigma")
@@ -38,7 +39,7 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
 
 def weighted_loss(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, train_cfg: dict) -> torch.Tensor:
     """The weighting scheme's per-sigma weights times train.loss (l2 or huber), averaged."""
-    return flow_loss(pred, target, compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas), train_cfg)
+    return flow_loss(pred, target, training_utils.compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas), train_cfg)
 
 
 def shifted_sigmas(u: torch.Tensor, mode: str, shift: float, latent_hw) -> torch.Tensor:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
+transformers = lazy("transformers")
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -20,16 +21,18 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tok
 
 class FluxAdapter(TransformerAdapter):
     family = "flux"
-    pipeline_cls, denoiser_cls, denoiser_subfolder = FluxPipeline, FluxTransformer2DModel, "transformer"
+    pipeline_cls = LazyClass("diffusers", "FluxPipeline")
+    denoiser_cls = LazyClass("diffusers", "FluxTransformer2DModel")
+    denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
         # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # The distribution's mode, not a sample: the cached item is then a pure function of its inputs.
         z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
@@ -41,12 +44,12 @@ class FluxAdapter(TransformerAdapter):
         # costs ~5 % of text-caching throughput (module walks per call, a second tokenization for its warning).
         load = dict(dtype=self.dtype, **_SAFE)
         return _TextEncoders(
-            tokenizer=CLIPTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
-            tokenizer_2=T5TokenizerFast.from_pretrained(self.model_dir, subfolder="tokenizer_2"),
-            text_encoder=CLIPTextModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval(),
-            text_encoder_2=T5EncoderModel.from_pretrained(self.model_dir, subfolder="text_encoder_2", **load).to(self.device).eval())
+            tokenizer=transformers.CLIPTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
+            tokenizer_2=transformers.T5TokenizerFast.from_pretrained(self.model_dir, subfolder="tokenizer_2"),
+            text_encoder=transformers.CLIPTextModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval(),
+            text_encoder_2=transformers.T5EncoderModel.from_pretrained(self.model_dir, subfolder="text_encoder_2", **load).to(self.device).eval())
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, enc, texts):
         # The computation of FluxPipeline.encode_prompt (a test holds the bytes equal): CLIP's pooled output,
         # T5's last hidden states, both in the encoder's dtype; the T5 mask kept for training's attention.
@@ -68,7 +71,7 @@ class FluxAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return diffusers.FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
     # The blocks' attention and MLP projections, by full path (a regex peft matches whole names): never the
     # top-level proj_out (the final layer), which neither diffusers' Flux LoRA example nor sd-scripts trains.
@@ -81,14 +84,14 @@ class FluxAdapter(TransformerAdapter):
         return self.LORA_TARGETS
 
     def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
 
-        packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        packed = diffusers.FluxPipeline._pack_latents(noisy, b, c, h, w)
+        img_ids = diffusers.FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
         embeds = text["prompt_embeds"].to(latents.dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype, device=latents.device)
         guidance = None
@@ -98,11 +101,11 @@ class FluxAdapter(TransformerAdapter):
                            pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype),
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         vae_scale = self.size_multiple // 2
-        pred = FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
+        pred = diffusers.FluxPipeline._unpack_latents(pred, height=h * vae_scale, width=w * vae_scale, vae_scale_factor=vae_scale)
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Flux-dev's guidance is distilled (`guidance`); real CFG only when the prompt has a negative.
         kwargs = {}

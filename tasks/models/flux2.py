@@ -6,10 +6,11 @@ text encoder and its layers), the guidance (real CFG for [klein], an embedded gu
 how sampling uses a negative prompt."""
 from __future__ import annotations
 
-import torch
-from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 SAFE = dict(use_safetensors=True)
 TEXT_PARTS = dict(transformer=None, vae=None, **SAFE)
@@ -18,14 +19,15 @@ SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **SAFE)
 
 class Flux2Adapter(TransformerAdapter):
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
-    denoiser_cls, denoiser_subfolder = Flux2Transformer2DModel, "transformer"
+    denoiser_cls = LazyClass("diffusers", "Flux2Transformer2DModel")
+    denoiser_subfolder = "transformer"
     sample_parts = SAMPLE_PARTS
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKLFlux2.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKLFlux2.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # The pipeline's _encode_vae_image: the mode, 2x2 patches into channels, the batch-norm statistics
         # removed (the pipeline puts them back before decoding). Stored [B, 4C, H/16, W/16].
@@ -39,7 +41,7 @@ class Flux2Adapter(TransformerAdapter):
     def load_text_encoders(self):
         return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **TEXT_PARTS).to(self.device)
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, pipe, texts):
         # The pipeline's own encode_prompt: every caption padded to max_sequence_length (the transformer
         # takes no mask; the padding's states are part of the input, as in the pipeline).
@@ -49,7 +51,7 @@ class Flux2Adapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **SAFE)
+        return diffusers.Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **SAFE)
 
     # Every projection of the blocks (attention of both streams, the MLPs, the single blocks' fused
     # qkv+mlp input and output): the Linears FLUX.2 LoRAs in kohya/BFL layout name. Not the modulation,
@@ -62,7 +64,7 @@ class Flux2Adapter(TransformerAdapter):
         return self.LORA_TARGETS
 
     def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
@@ -81,7 +83,7 @@ class Flux2Adapter(TransformerAdapter):
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def render(self, pipe, prompt, width, height, steps, guidance, seed, generator_device, **kwargs):
         """The pipeline from the cached prompt embeddings (it makes the text ids); kwargs: the variant's own."""
         generator = self.make_generator(pipe, seed, generator_device)

@@ -6,24 +6,25 @@ from __future__ import annotations
 
 import logging
 
-from diffusers import Flux2Pipeline
-from transformers import AutoTokenizer
-
+from tasks.lazy import LazyClass, lazy
 from tasks.models.flux2 import TEXT_PARTS, Flux2Adapter
+
+diffusers = lazy("diffusers")
+transformers = lazy("transformers")
 
 log = logging.getLogger("loraflow")
 
 
 class Flux2DevAdapter(Flux2Adapter):
     family = "flux2_dev"
-    pipeline_cls = Flux2Pipeline
+    pipeline_cls = LazyClass("diffusers", "Flux2Pipeline")
 
     def load_text_encoders(self):
         # The checkpoint's tokenizer folder is a PixtralProcessor, which transformers builds only with
         # torchvision (not installed here); encode_prompt calls just its apply_chat_template, which the
         # tokenizer in that folder has, so the tokenizer is loaded alone.
-        tokenizer = AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer")
-        return Flux2Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, tokenizer=tokenizer,
+        tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer")
+        return diffusers.Flux2Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, tokenizer=tokenizer,
                                              **TEXT_PARTS).to(self.device)
 
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):

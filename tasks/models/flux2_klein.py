@@ -2,14 +2,13 @@
 stacked), real CFG. Follows diffusers' Flux2KleinPipeline; what it shares with [dev] is in flux2.py."""
 from __future__ import annotations
 
-from diffusers import Flux2KleinPipeline
-
+from tasks.lazy import LazyClass
 from tasks.models.flux2 import Flux2Adapter
 
 
 class Flux2KleinAdapter(Flux2Adapter):
     family = "flux2_klein"
-    pipeline_cls = Flux2KleinPipeline
+    pipeline_cls = LazyClass("diffusers", "Flux2KleinPipeline")
 
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (the pipeline's guidance_scale, on above 1 for the undistilled base

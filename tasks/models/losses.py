@@ -5,9 +5,11 @@ diffusers.training_utils.compute_snr). At their defaults (noise_offset 0, loss l
 function returns exactly what the families computed before, bit for bit, so stored LoRAs keep their keys."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from diffusers.training_utils import compute_snr
+from tasks.lazy import lazy
+
+torch = lazy("torch")
+F = lazy("torch.nn.functional")
+training_utils = lazy("diffusers.training_utils")
 
 
 def offset_noise(noise: torch.Tensor, train_cfg: dict, generators: list[torch.Generator]) -> torch.Tensor:
@@ -35,7 +37,7 @@ def elementwise(pred: torch.Tensor, target: torch.Tensor, train_cfg: dict) -> to
 def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
     """Min-SNR-gamma weights (Hang et al. 2023) per item, as diffusers' train_text_to_image_lora.py: min(SNR, gamma)
     divided by SNR for an epsilon target, by SNR + 1 for a v-prediction target."""
-    snr = compute_snr(scheduler, timesteps)
+    snr = training_utils.compute_snr(scheduler, timesteps)
     weights = torch.stack([snr, gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0]
     prediction_type = scheduler.config.prediction_type
     if prediction_type == "epsilon":

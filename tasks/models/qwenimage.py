@@ -5,11 +5,11 @@ flow matching with true CFG. Follows diffusers' QwenImagePipeline and its LoRA e
 (examples/dreambooth/train_dreambooth_lora_qwen_image.py)."""
 from __future__ import annotations
 
-
-import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 _SAFE = dict(use_safetensors=True)
 _TEXT_PARTS = dict(transformer=None, vae=None, **_SAFE)
@@ -18,14 +18,16 @@ _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 
 class QwenImageAdapter(TransformerAdapter):
     family = "qwenimage"
-    pipeline_cls, denoiser_cls, denoiser_subfolder = QwenImagePipeline, QwenImageTransformer2DModel, "transformer"
+    pipeline_cls = LazyClass("diffusers", "QwenImagePipeline")
+    denoiser_cls = LazyClass("diffusers", "QwenImageTransformer2DModel")
+    denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKLQwenImage.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKLQwenImage.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # One frame of the video VAE ([B, C, 1, H, W]); the mode, normalised per channel as the pipeline
         # un-normalises before decoding (latents * std + mean). Stored 4-D, like every family's latents.
@@ -37,9 +39,9 @@ class QwenImageAdapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+        return diffusers.QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, pipe, texts):
         # The pipeline's own encode_prompt (so the bytes are its bytes). It returns each batch padded to its
         # longest caption, cut at max_sequence_length; the cache stores every caption padded to
@@ -54,30 +56,30 @@ class QwenImageAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return QwenImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return diffusers.QwenImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
     def default_lora_targets(self):
         # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
         return ["to_k", "to_q", "to_v", "to_out.0"]
 
     def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
-        packed = QwenImagePipeline._pack_latents(noisy, b, c, h, w)
+        packed = diffusers.QwenImagePipeline._pack_latents(noisy, b, c, h, w)
         embeds = text["prompt_embeds"].to(latents.dtype)
         mask = text["attention_mask"].to(latents.device)
         pred = transformer(hidden_states=packed, timestep=timesteps.to(latents.dtype) / 1000,
                            encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
                            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
         vae_scale = self.size_multiple // 2
-        pred = QwenImagePipeline._unpack_latents(pred, h * vae_scale, w * vae_scale, vae_scale)[:, :, 0]
+        pred = diffusers.QwenImagePipeline._unpack_latents(pred, h * vae_scale, w * vae_scale, vae_scale)[:, :, 0]
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # True CFG at `true_cfg` (the pipeline's true_cfg_scale, on when > 1) against the prompt's negative,
         # else the cached empty prompt; `guidance` is unused (Qwen-Image has no distilled guidance). Each

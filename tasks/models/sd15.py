@@ -1,14 +1,13 @@
 """SD1.5: one CLIP-L tower (last hidden state), UNet on VAE /8 latents, epsilon or v-prediction (SD2.x-style)."""
 from __future__ import annotations
 
-from diffusers import StableDiffusionPipeline
-
+from tasks.lazy import LazyClass
 from tasks.models.unet import UNetAdapter
 
 
 class SD15Adapter(UNetAdapter):
     family = "sd15"
-    pipeline_cls = StableDiffusionPipeline
+    pipeline_cls = LazyClass("diffusers", "StableDiffusionPipeline")
     text_components = ("tokenizer", "text_encoder")
     text_encoder_lora_modules = ("text_encoder",)  # train.text_encoder_lr
     # A real SD1.5 repo ships a safety checker: it would black out samples and is no component of theirs.

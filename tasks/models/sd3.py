@@ -2,11 +2,11 @@
 flow matching. Training follows diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py."""
 from __future__ import annotations
 
-
-import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -17,7 +17,9 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None
 
 class SD3Adapter(TransformerAdapter):
     family = "sd3"
-    pipeline_cls, denoiser_cls, denoiser_subfolder = StableDiffusion3Pipeline, SD3Transformer2DModel, "transformer"
+    pipeline_cls = LazyClass("diffusers", "StableDiffusion3Pipeline")
+    denoiser_cls = LazyClass("diffusers", "SD3Transformer2DModel")
+    denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS
     text_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -28,9 +30,9 @@ class SD3Adapter(TransformerAdapter):
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
         # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # The mode, not a sample: the cached latent is then a pure function of the image.
         z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
@@ -38,9 +40,9 @@ class SD3Adapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+        return diffusers.StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, pipe, texts):
         # prompt_embeds = [77 CLIP tokens (both towers' states, zero-padded to T5 width) ; T5 tokens].
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, prompt_2=None, prompt_3=None,
@@ -56,7 +58,7 @@ class SD3Adapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return SD3Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return diffusers.SD3Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
     def default_lora_targets(self):
         # The SD3 LoRA example's defaults: the joint attention's image and context projections.
@@ -65,7 +67,7 @@ class SD3Adapter(TransformerAdapter):
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
 
     def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
@@ -80,7 +82,7 @@ class SD3Adapter(TransformerAdapter):
         return weighted_loss(pred, target, sigmas, train_cfg)
 
     # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (SD3 has no distilled guidance, so `true_cfg` is unused). The unconditional
         # input comes from the cache -- the prompt's negative, else the empty prompt -- embeds and pooled

@@ -2,15 +2,15 @@
 UNet's added conditioning; UNet on VAE /8 latents (diffusers' train_text_to_image_lora_sdxl.py)."""
 from __future__ import annotations
 
-import torch
-from diffusers import StableDiffusionXLPipeline
-
+from tasks.lazy import LazyClass, lazy
 from tasks.models.unet import VAE_SCALE, UNetAdapter
+
+torch = lazy("torch")
 
 
 class SDXLAdapter(UNetAdapter):
     family = "sdxl"
-    pipeline_cls = StableDiffusionXLPipeline
+    pipeline_cls = LazyClass("diffusers", "StableDiffusionXLPipeline")
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     text_encoder_lora_modules = ("text_encoder", "text_encoder_2")  # train.text_encoder_lr
     embed_names = ("prompt_embeds", "pooled_prompt_embeds")

@@ -8,11 +8,12 @@ import json
 from abc import abstractmethod
 from pathlib import Path
 
-import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.base import FamilyAdapter
 from tasks.models.losses import ddpm_loss, offset_noise
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 # use_safetensors=True: never fall back to pickled .bin weights.
 _SAFE = dict(use_safetensors=True)
@@ -20,7 +21,8 @@ VAE_SCALE = 8  # pixels per latent (4 VAE down blocks)
 
 
 class UNetAdapter(FamilyAdapter):
-    denoiser_cls, denoiser_subfolder = UNet2DConditionModel, "unet"
+    denoiser_cls = LazyClass("diffusers", "UNet2DConditionModel")
+    denoiser_subfolder = "unet"
     pipeline_cls: type  # the family's diffusers pipeline: loading, text encoding, LoRA file format, sampling
     # Cached text tensors the UNet and the pipeline take (each also as `negative_<name>` for CFG).
     embed_names: tuple[str, ...] = ("prompt_embeds",)
@@ -54,9 +56,9 @@ class UNetAdapter(FamilyAdapter):
 
     def load_vae(self):
         # On the device (CUDA when there is one); the caller stores what it returns on the CPU.
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.vae_dtype(), **_SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.vae_dtype(), **_SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # The mode, not a sample: the cached latent is then a pure function of the image. No shift in SD/SDXL;
         # a VAE with latents_mean/std is normalised by them as diffusers' SDXL example does (its pipeline
@@ -88,13 +90,13 @@ class UNetAdapter(FamilyAdapter):
                                                truncation=True, return_tensors="pt").attention_mask.to(torch.int64)
         return [{k: v[i] for k, v in out.items()} for i in range(len(texts))]
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, pipe, texts):
         return [{k: v.cpu() for k, v in d.items()} for d in self.encode_text_live(pipe, texts)]
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return UNet2DConditionModel.from_pretrained(self.model_dir, subfolder="unet", dtype=self.dtype, **_SAFE)
+        return diffusers.UNet2DConditionModel.from_pretrained(self.model_dir, subfolder="unet", dtype=self.dtype, **_SAFE)
 
     def default_lora_targets(self):
         # The attention projections, as diffusers' SD/SDXL LoRA examples.
@@ -102,7 +104,7 @@ class UNetAdapter(FamilyAdapter):
 
     def load_train_scheduler(self):
         # The noise schedule the model was trained with (diffusers maps the Euler/DDIM sampler config).
-        return DDPMScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.DDPMScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def added_cond_kwargs(self, text: dict[str, torch.Tensor], latents: torch.Tensor) -> dict | None:
         """Extra UNet conditioning (SDXL's pooled text and size ids); none for SD1.5."""
@@ -158,7 +160,7 @@ class UNetAdapter(FamilyAdapter):
         negative_prompt=None). None lets the pipeline choose."""
         return negative if negative is not None else empty
 
-    @torch.no_grad()
+    @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG with `guidance`; true_cfg is Flux's and unused here.
         kwargs = {name: prompt[name][None].to(self.dtype) for name in self.embed_names}

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 
-import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from transformers import AutoModel, AutoTokenizer
-
+from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
+transformers = lazy("transformers")
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
@@ -26,14 +27,16 @@ class _TextEncoders:
 
 class ZImageAdapter(TransformerAdapter):
     family = "zimage"
-    pipeline_cls, denoiser_cls, denoiser_subfolder = ZImagePipeline, ZImageTransformer2DModel, "transformer"
+    pipeline_cls = LazyClass("diffusers", "ZImagePipeline")
+    denoiser_cls = LazyClass("diffusers", "ZImageTransformer2DModel")
+    denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS
 
     # -- latents ---------------------------------------------------------------------------------
     def load_vae(self):
-        return AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+        return diffusers.AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode_latents(self, vae, pixels):
         # The mode, not a sample: the cached latent is then a pure function of the image. The pipeline
         # decodes with latents / scaling_factor + shift_factor, so this is its inverse.
@@ -44,10 +47,10 @@ class ZImageAdapter(TransformerAdapter):
     def load_text_encoders(self):
         load = dict(dtype=self.dtype, **_SAFE)
         return _TextEncoders(
-            tokenizer=AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
-            text_encoder=AutoModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval())
+            tokenizer=transformers.AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
+            text_encoder=transformers.AutoModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval())
 
-    @torch.no_grad()
+    @no_grad
     def encode_text(self, enc, texts):
         # The computation of ZImagePipeline._encode_prompt (a test holds the bytes equal): the caption in
         # Qwen3's chat template (thinking on, as the pipeline asks), padded to max_sequence_length, the
@@ -77,7 +80,7 @@ class ZImageAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return ZImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return diffusers.ZImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
     # Attention and feed-forward projections of the main layers and both refiners (the image-side
     # noise_refiner and the caption-side context_refiner): the Linear layers the Z-Image LoRAs in circulation
@@ -89,7 +92,7 @@ class ZImageAdapter(TransformerAdapter):
         return self.LORA_TARGETS
 
     def load_train_scheduler(self):
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
@@ -100,7 +103,7 @@ class ZImageAdapter(TransformerAdapter):
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)
 
     # -- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # Real CFG at `guidance` (the pipeline's guidance_scale: pos + g * (pos - neg), off at 0, as
         # Z-Image-Turbo is sampled); `true_cfg` is unused. The unconditional input is the prompt's negative,
