@@ -41,8 +41,8 @@ import uuid
 import warnings
 from pathlib import Path
 
+from tasks.formats import canonicalize_safetensors
 from tasks.lazy import lazy
-from tasks.store import canonicalize_safetensors
 
 torch = lazy("torch")
 state_dict_utils = lazy("diffusers.utils.state_dict_utils")

@@ -20,11 +20,12 @@ from tasks.checkpoint_samples import CheckpointSampler, to_tensorboard
 from tasks.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.checkpoints import load_checkpoint as _load_checkpoint
 from tasks.checkpoints import save_checkpoint as _save_checkpoint
+from tasks.formats import canonicalize_safetensors
 from tasks.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
-from tasks.store import Store, canonicalize_safetensors
+from tasks.store import Store
 from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
 from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
                                seed_everything, sum_gradients, update_ema)

@@ -10,6 +10,7 @@ from tasks.models.base import FamilyAdapter
 from tasks.models.losses import flow_loss, offset_noise
 
 torch = lazy("torch")
+diffusers = lazy("diffusers")
 training_utils = lazy("diffusers.training_utils")
 
 
@@ -70,6 +71,14 @@ class TransformerAdapter(FamilyAdapter):
     denoiser_components = ("transformer",)
     sample_components = ("transformer", "vae", "scheduler")
     size_multiple = 16  # VAE /8, then 2x2 patches
+    # peft target_modules: one regex matched against whole module paths, or names matched by suffix
+    LORA_TARGETS: str | tuple[str, ...]
+
+    def default_lora_targets(self):
+        return self.LORA_TARGETS if isinstance(self.LORA_TARGETS, str) else list(self.LORA_TARGETS)
+
+    def load_train_scheduler(self):
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
 
     def save_lora(self, lora_state_dict, out_dir, lora_config):
         self.pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,

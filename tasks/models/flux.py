@@ -80,12 +80,6 @@ class FluxAdapter(TransformerAdapter):
                     r"|single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out)")
     train_version = "2"  # 2: LoRA targets by full path, without the final layer (the LoRA's bytes changed)
 
-    def default_lora_targets(self):
-        return self.LORA_TARGETS
-
-    def load_train_scheduler(self):
-        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
-
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)

@@ -60,12 +60,6 @@ class Flux2Adapter(TransformerAdapter):
                     r"|ff(_context)?\.linear_(in|out))"
                     r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
 
-    def default_lora_targets(self):
-        return self.LORA_TARGETS
-
-    def load_train_scheduler(self):
-        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
-
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape
         P = self.pipeline_cls

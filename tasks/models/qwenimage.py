@@ -58,12 +58,8 @@ class QwenImageAdapter(TransformerAdapter):
     def load_denoiser(self):
         return diffusers.QwenImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
-    def default_lora_targets(self):
-        # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
-        return ["to_k", "to_q", "to_v", "to_out.0"]
-
-    def load_train_scheduler(self):
-        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+    # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
+    LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         b, c, h, w = latents.shape

@@ -60,14 +60,10 @@ class SD3Adapter(TransformerAdapter):
     def load_denoiser(self):
         return diffusers.SD3Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
 
-    def default_lora_targets(self):
-        # The SD3 LoRA example's defaults: the joint attention's image and context projections.
-        # (The last block is context_pre_only and has no to_add_out; PEFT skips names that are absent.)
-        return ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-
-    def load_train_scheduler(self):
-        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
+    # The SD3 LoRA example's defaults: the joint attention's image and context projections.
+    # (The last block is context_pre_only and has no to_add_out; PEFT skips names that are absent.)
+    LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)

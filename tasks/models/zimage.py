@@ -88,12 +88,6 @@ class ZImageAdapter(TransformerAdapter):
     LORA_TARGETS = (r"(layers|noise_refiner|context_refiner)\.\d+\."
                     r"(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])")
 
-    def default_lora_targets(self):
-        return self.LORA_TARGETS
-
-    def load_train_scheduler(self):
-        return diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_dir, subfolder="scheduler")
-
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
         caps = self.caption_features(text["prompt_embeds"].to(latents.dtype), text["attention_mask"])

@@ -1,0 +1,78 @@
+"""What a stored file must look like beyond its digest (a safetensors header that accounts for every byte, a PNG
+signature, JSON, never a pickle), and the canonical byte order of a safetensors header. Pure core: the store
+(tasks/store.py) turns a FormatError into CorruptArtifact, and the entry is recomputed."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+# Formats that unpickle (run code) when loaded: never part of a stored entry.
+_PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+class FormatError(ValueError):
+    """A stored file is not what its name says."""
+
+
+def _check_safetensors(path: Path) -> None:
+    """A safetensors header that parses and accounts for every byte of the file (a pickle never does)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if n is None or n > size - 8:
+            raise FormatError(f"{path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+            end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise FormatError(f"{path}: not a safetensors file (bad header: {e})") from e
+    if 8 + n + end != size:
+        raise FormatError(f"{path}: not a safetensors file (header and size disagree)")
+
+
+def check_format(data: Path) -> None:
+    """The data's format, beyond its digest: a file planted with a matching manifest is refused, never loaded."""
+    files = sorted(p for p in data.rglob("*") if p.is_file()) if data.is_dir() else [data]
+    for f in files:
+        if f.suffix in _PICKLE_SUFFIXES:
+            raise FormatError(f"{f}: a pickle-format file in a store entry (refused, never loaded)")
+        if f.suffix == ".safetensors":
+            _check_safetensors(f)
+        elif f.suffix == ".png":
+            with open(f, "rb") as fh:
+                if fh.read(8) != _PNG:
+                    raise FormatError(f"{f}: not a PNG file")
+        elif f.suffix == ".json" and not data.is_dir():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:
+                raise FormatError(f"{f}: not a JSON file ({e})") from e
+
+
+def canonicalize_safetensors(path: str | os.PathLike) -> None:
+    """Rewrite a .safetensors header in a canonical order, in place.
+
+    safetensors keeps `__metadata__` in a Rust HashMap, so files with two or more metadata entries
+    (diffusers' LoRA files, kohya's ss_* keys) come out in a different byte order from run to run. The
+    tensors' bytes and offsets are unchanged; only the header's key order is fixed (sorted)."""
+    path = Path(path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: (header[k]["data_offsets"][0], k))
+    ordered = {**({"__metadata__": header["__metadata__"]} if "__metadata__" in header else {}),
+               **{k: header[k] for k in tensors}}
+    raw = json.dumps(ordered, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    tmp = path.with_name(f".{path.name}.canon")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,98 @@
+"""A no-op re-run starts fast (issue 20, item 3: start-up under 5 s with a running Prefect server): it imports
+none of torch, diffusers, transformers, peft, accelerate or safetensors.torch (tasks/lazy.py). Checked by
+what a fresh interpreter has imported, never by time (the figure is bench/noop_scale.py's)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.lazy import HEAVY, LazyClass, lazy
+from tasks.runtime import _GPU_DRIVERS
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_DRIVER = any(os.path.exists(p) for p in _GPU_DRIVERS)
+# Every module a no-op run can import (the tiny-model builders and the fp8 hooks load only to build or train)
+MODULES = ["flows.train", "flows.nodes", "flows.runner", "flows.explain", "tasks.export", "tasks.publish",
+           *(f"tasks.models.{m}" for m in ("flux", "flux2_dev", "flux2_klein", "sd15", "sdxl", "sd3", "zimage",
+                                           "qwenimage", "losses"))]
+
+
+def _heavy_after(code: str, env: dict | None = None) -> list[str]:
+    """The heavy libraries a fresh interpreter holds after running `code`."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {list(HEAVY)!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_flow_and_every_adapter_imports_no_model_library():
+    assert _heavy_after("\n".join(f"import {m}" for m in MODULES)) == []
+
+
+def test_adapters_answer_what_validate_asks_without_torch():
+    code = """
+from tasks.models import adapter_class
+for family in ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"):
+    cls = adapter_class(family)
+    a = cls("/nonexistent", "bfloat16", 77)
+    assert a.default_lora_targets() and cls.size_multiple and cls.denoiser_components, family
+from tasks.runtime import cuda_available, runtime
+runtime(); cuda_available()
+"""
+    if GPU_DRIVER:
+        pytest.skip("a GPU driver is present: asking CUDA imports torch here")
+    assert _heavy_after(code) == []
+
+
+def test_cuda_available_agrees_with_torch():
+    import torch
+
+    from tasks.runtime import cuda_available
+
+    assert cuda_available() == torch.cuda.is_available()
+
+
+def test_lazy_module_and_class_resolve_on_first_use():
+    import safetensors
+
+    proxy = lazy("safetensors")
+    assert repr(proxy) == "<lazy module 'safetensors'>"
+    assert proxy.safe_open is safetensors.safe_open and repr(proxy) == "<lazy module 'safetensors' (imported)>"
+
+    class Holder:
+        cls = LazyClass("pathlib", "PurePosixPath")
+
+    from pathlib import PurePosixPath
+
+    assert Holder.cls is PurePosixPath and Holder().cls is PurePosixPath
+
+
+def test_a_noop_run_through_the_cli_imports_no_model_library(workspace):
+    """The CLI exactly as a user runs it (Hydra, the flow on a running Prefect API), after a run that computed
+    everything: every node is answered from keys and stat calls, and torch is never imported."""
+    from prefect.settings import PREFECT_API_URL
+
+    workspace.run()  # a first run in the copy: its run record and indexes
+    args = workspace.overrides()
+    run_dir = Path(next(a for a in args if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+    code = f"""
+import runpy, sys
+sys.argv = ["flows.train", *{args!r}]
+try:
+    runpy.run_module("flows.train", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+"""
+    heavy = _heavy_after(code, {"PREFECT_API_URL": PREFECT_API_URL.value()})
+    report = json.loads((run_dir / "report.json").read_text())
+    assert {n: e["status"] for n, e in report["nodes"].items()} == {
+        "validate": "ran", "cache_latents": "cached", "cache_text": "cached", "train": "cached", "sample": "cached"}
+    assert Path(report["artifacts"]["lora"]).is_file()
+    if not GPU_DRIVER:  # with one, validate's free-memory check imports torch
+        assert heavy == []
