@@ -4,12 +4,14 @@
     exit 130  stopped by SIGINT (Ctrl-C); 143 by SIGTERM. Finished items and a checkpoint of the last
               finished training step are kept; the same command continues.
 Prefect's temporary API server is started in its own session, so the terminal's Ctrl-C (sent to the
-whole process group) does not stop it under the running flow; loraflow stops it on the way out."""
+whole process group) does not stop it under the running flow; loraflow stops it on the way out. A loraflow
+killed outright (SIGKILL, OOM killer) cannot: a guard process beside it stops the server then."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -50,11 +52,38 @@ def shield_temporary_server() -> None:
         popen = subprocess.Popen
         subprocess.Popen = functools.partial(popen, start_new_session=True)
         try:
-            return run(self)
+            server = run(self)
         finally:
             subprocess.Popen = popen
+        _guard(server.pid)
+        return server
 
     cls._run_uvicorn_command, cls._loraflow_shielded = in_own_session, True
+
+
+# Stops the server's session once loraflow (its parent) is gone, however it went (after a normal exit the
+# server is already stopped). In a session of its own, like the server: a signal to loraflow's process group
+# does not end it first.
+_GUARD = """
+import os, signal, sys, time
+parent, server = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.5)
+try:
+    os.killpg(server, signal.SIGTERM)
+except OSError:
+    pass
+"""
+
+
+_guards: list[subprocess.Popen] = []  # held: never waited on, it ends after loraflow
+
+
+def _guard(server_pid: int) -> None:
+    with contextlib.suppress(OSError):  # -S: no site-packages, it starts in milliseconds
+        _guards.append(subprocess.Popen([sys.executable, "-S", "-c", _GUARD, str(os.getpid()), str(server_pid)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True))
 
 
 def stop_temporary_server() -> None:

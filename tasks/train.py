@@ -223,7 +223,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
     lr_schedule = optimization.get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
-                                num_training_steps=tc["max_steps"])
+                                             num_training_steps=tc["max_steps"])
     scheduler = adapter.load_train_scheduler()
 
     sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,

@@ -59,7 +59,8 @@ def pipeline(store_root, overrides=(), stop_after: str = "sample") -> dict:
 
 def child(code: str, *args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Runs `python -c code args` in the repository, in its own process group, which is killed afterwards
-    whatever happens (a killed flow leaves its ephemeral Prefect server behind). Output goes through a file:
+    whatever happens (a killed CLI's temporary Prefect server is stopped by its guard, flows/console.py; this is
+    the test's own sweep). Output goes through a file:
     an orphan holding a pipe open would block reading it. An `env` value of None removes that variable."""
     full_env = {k: v for k, v in {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}.items() if v is not None}
     with tempfile.TemporaryFile("w+") as out:

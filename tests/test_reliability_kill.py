@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +69,20 @@ _CLI_CHILD = KILL_AT + "import runpy\nsys.argv = ['flows.train', *sys.argv[3:]]\
                        "runpy.run_module('flows.train', run_name='__main__', alter_sys=True)\n"
 
 
+def _servers_of(prefect_home: str) -> list[int]:
+    """Live uvicorn processes started with this PREFECT_HOME (Linux /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"uvicorn" in (proc / "cmdline").read_bytes() and \
+                    f"PREFECT_HOME={prefect_home}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
 def test_cli_killed_mid_training_then_rerun(reference, prefect_api, tmp_path):
     from flows.train import train_flow
 
@@ -77,6 +93,11 @@ def test_cli_killed_mid_training_then_rerun(reference, prefect_api, tmp_path):
                  *OVERRIDES, env=env, timeout=400)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert not (tmp_path / "run1" / "report.json").exists()
+    # its temporary Prefect server (in a session of its own, away from Ctrl-C) does not outlive it
+    deadline = time.monotonic() + 20
+    while _servers_of(env["PREFECT_HOME"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _servers_of(env["PREFECT_HOME"])
 
     out = train_flow(config_name="train", overrides=[f"store.root={root}", f"hydra.run.dir={tmp_path / 'run2'}",
                                                      *OVERRIDES])

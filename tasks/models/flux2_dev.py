@@ -25,7 +25,7 @@ class Flux2DevAdapter(Flux2Adapter):
         # tokenizer in that folder has, so the tokenizer is loaded alone.
         tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer")
         return diffusers.Flux2Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, tokenizer=tokenizer,
-                                             **TEXT_PARTS).to(self.device)
+                                                       **TEXT_PARTS).to(self.device)
 
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # `guidance` is the pipeline's guidance_scale, an input of the distilled model (its example: 4.0); Flux2Pipeline
