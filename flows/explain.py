@@ -38,10 +38,12 @@ def _normal(inputs: dict) -> dict:
 
 
 def _items(store: Store, kind: str, keys) -> tuple[int, int]:
-    """(compute, reuse) over distinct keys, as tasks.items.check_items counts them (a stored entry that
-    fails verification is counted as compute; unlike a run, explain leaves it in place)."""
+    """(compute, reuse) over distinct keys, as a run counts them: an entry whose files are as they were when
+    last verified is answered from stat calls (tasks/entry_index.py), any other is verified, and one that
+    fails is counted as compute (unlike a run, explain leaves it in place and writes no index)."""
     distinct = list(dict.fromkeys(keys))
-    reuse = sum(store.exists(kind, k) and store.valid(kind, k) for k in distinct)
+    seen = store.unchanged(kind, distinct)
+    reuse = sum(k in seen or (store.exists(kind, k) and store.intact(kind, k)) for k in distinct)
     return len(distinct) - reuse, reuse
 
 

@@ -8,9 +8,11 @@ replaced manifest) changes its mtime or size, and the entry is verified in full 
 see (a bit rotting on disk in place) is still caught where it matters: every read of an entry
 (`Store.verify`) checks its digest.
 
-One file per kind, `<store>/index/<kind>.json`: {"entries": {key: [data file name, size, mtime_ns, ino, manifest
-size, mtime_ns, ino]}, "check": digest of the entries}. Merged under a lock when saved, so processes sharing a
-store (sweep members, Dask workers) add to it; a torn or altered index is ignored (entries are verified again)."""
+Per kind, one file per first two hex digits of the key, `<store>/index/<kind>/<key[:2]>.json` (256 at most):
+{"entries": {key: [data file name, size, mtime_ns, ino, manifest size, mtime_ns, ino]}, "check": digest of the
+entries}. A run reads only the shards of the keys it checks, so a 12-item run costs the same in a store that
+also holds 100,000 entries. Merged under one lock per kind when saved, so processes sharing a store (sweep
+members, Dask workers) add to it; a torn or altered shard is ignored (its entries are verified again)."""
 from __future__ import annotations
 
 import json
@@ -40,15 +42,19 @@ def signature(entry: str, file: str) -> list | None:
 
 class EntryIndex:
     def __init__(self, root: Path, kind: str):
-        self.path = root / "index" / f"{kind}.json"
+        self.folder = root / "index" / kind
         self.kind = kind
-        self._entries: dict[str, list] | None = None
+        self._shards: dict[str, dict[str, list]] = {}  # shard name -> its entries, as read
         self._new: dict[str, list] = {}
         self._lock = threading.Lock()  # the store's background writer thread adds entries too
 
-    def _read(self) -> dict[str, list]:
+    def _path(self, shard: str) -> Path:
+        return self.folder / f"{shard}.json"
+
+    def _read(self, shard: str) -> dict[str, list]:
+        path = self._path(shard)
         try:
-            raw = json.loads(self.path.read_bytes())
+            raw = json.loads(path.read_bytes())
             entries = raw["entries"]
             if raw["check"] != digest_text(json.dumps(entries, sort_keys=True, separators=(",", ":"))):
                 raise ValueError("its content does not match its digest")
@@ -58,26 +64,30 @@ class EntryIndex:
         except (ValueError, KeyError, TypeError) as e:
             from tasks.store import _note_repair
 
-            log.warning("store index %s is unreadable (%s): its entries are verified again", self.path, e)
-            _note_repair(f"index/{self.kind}")
+            log.warning("store index %s is unreadable (%s): its entries are verified again", path, e)
+            _note_repair(f"index/{self.kind}/{shard}")
             return {}
+
+    def _known(self, key: str) -> list | None:
+        shard = self._shards.get(key[:2])
+        if shard is None:
+            with self._lock:
+                shard = self._shards.get(key[:2])
+                if shard is None:
+                    shard = self._shards[key[:2]] = self._read(key[:2])
+        return shard.get(key)
 
     def intact(self, key: str, entry: str) -> bool:
         """True when the entry's files are as they were when it was last verified (two stat calls)."""
-        if self._entries is None:
-            with self._lock:
-                if self._entries is None:
-                    self._entries = self._read()
-        sig = self._new.get(key) or self._entries.get(key)
+        sig = self._new.get(key) or self._known(key)
         return sig is not None and signature(entry, sig[0]) == sig
 
     def unchanged(self, keys, entry_of) -> list[str]:
         """The keys whose entries are as they were when last verified: intact() for many keys, in one tight
         loop (a no-op checks 200,000 of them)."""
-        self.intact("", "")  # loads the file once
-        known, new, stat, out = self._entries, self._new, os.stat, []
+        new, known, stat, out = self._new, self._known, os.stat, []
         for key in keys:
-            sig = new.get(key) or known.get(key)
+            sig = new.get(key) or known(key)
             if sig is None:
                 continue
             entry = entry_of(key)
@@ -98,23 +108,28 @@ class EntryIndex:
     def forget(self, key: str) -> None:
         with self._lock:
             self._new.pop(key, None)
-            if self._entries:
-                self._entries.pop(key, None)
+            self._shards.get(key[:2], {}).pop(key, None)
 
     def save(self, write) -> None:
-        """Merges this process's new signatures into the file (under a lock: concurrent savers keep each other's).
-        `write(path, bytes)` replaces a file atomically."""
+        """Merges this process's new signatures into their shards (under the kind's lock: concurrent savers keep
+        each other's). `write(path, bytes)` replaces a file atomically."""
         with self._lock:
             if not self._new:
                 return
             new, self._new = self._new, {}
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "w") as lock:
+        by_shard: dict[str, dict[str, list]] = {}
+        for key, sig in new.items():
+            by_shard.setdefault(key[:2], {})[key] = sig
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for legacy in (self.folder.with_suffix(".json"), self.folder.with_suffix(".lock")):  # one file a kind, before
+            legacy.unlink(missing_ok=True)
+        with open(self.folder / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = {**self._read(), **new}
-            text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
-            write(self.path, json.dumps({"check": digest_text(text), "entries": entries},
-                                        sort_keys=True, separators=(",", ":")).encode())
-        self._entries = entries
+            for shard, added in sorted(by_shard.items()):
+                entries = {**self._read(shard), **added}
+                text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
+                write(self._path(shard), json.dumps({"check": digest_text(text), "entries": entries},
+                                                    sort_keys=True, separators=(",", ":")).encode())
+                self._shards[shard] = entries

@@ -297,7 +297,8 @@ class Store:
     def save_indexes(self) -> None:
         """Writes what this process verified or wrote into the store's index files (one per kind)."""
         for index in self._indexes.values():
-            index.save(lambda path, data: self._write_small(path, data, f"the store index {path.name}"))
+            index.save(lambda path, data: self._write_small(path, data,
+                                                            f"the store index {path.parent.name}/{path.name}"))
 
     def exists(self, kind: str, key: str) -> bool:
         return (self.entry_dir(kind, key) / MANIFEST).is_file()

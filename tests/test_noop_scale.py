@@ -113,7 +113,7 @@ def test_unchanged_entries_are_not_read_and_a_changed_one_is(tmp_path, monkeypat
     assert [fresh.intact("latents", k) for k in keys] == [True, False, True]
     assert reads == [keys[1]]  # verified in full, and found corrupt
 
-    index = tmp_path / "store" / "index" / "latents.json"
+    index = tmp_path / "store" / "index" / "latents" / f"{keys[0][:2]}.json"  # the shard of keys[0]
     index.write_text(index.read_text().replace('"check":"', '"check":"0'))  # altered: ignored
     reads.clear()
     fresh = Store(tmp_path / "store")
