@@ -53,7 +53,10 @@ def bare_stat_walk(folder: Path) -> float:
 
 
 def cli_run(env: dict, work: Path, data: Path, name: str, size: int) -> tuple[float, dict]:
-    cmd = [sys.executable, "-m", "flows.train", f"data.dir={data}", f"store.root={work / 'store'}",
+    # Each dataset its own store: the store's run record (the last run's inputs, for the report's "changed")
+    # is per config name, and two datasets alternating under one name would rewrite 100,000 items' record
+    # on every run, which neither no-op does alone.
+    cmd = [sys.executable, "-m", "flows.train", f"data.dir={data}", f"store.root={work / 'store'}-{data.name}",
            f"sample.prompts_file={work / 'prompts.txt'}", f"data.resolution={size}", f"sample.width={size}",
            f"sample.height={size}", "train.max_steps=2", "sample.steps=1", f"hydra.run.dir={work / 'runs' / name}"]
     t = time.perf_counter()

@@ -211,6 +211,8 @@ def cached_texts(caption: str, aug: CaptionAug, seed: int) -> dict[str, str]:
     per warm-up length, aug.variants variants if shuffle/tag dropout is on, else one. Different labels
     may share a text (dedupe by text when encoding). The empty caption for caption dropout is not here:
     the pipeline caches "" once."""
+    if not randomizes(aug) and warmup_steps(aug) <= 0:  # one text, what the general path gives (100,000 captions)
+        return {label(None, 0): canonical(caption, aug)}
     n = _n_variants(aug)
     return {label(length, i): variant(caption, aug, length, i, seed)
             for length in warmup_lengths(caption, aug) for i in range(n)}

@@ -282,3 +282,15 @@ def test_describe():
     assert "warm-up" in A.describe(CaptionAug(token_warmup_step=4, caption_dropout_rate=0.1), "cached")
     with pytest.raises(ValueError):
         A.describe(aug, "nope")
+
+
+@pytest.mark.parametrize("aug", [CaptionAug(), CaptionAug(keep_tokens=2), CaptionAug(keep_tokens_separator="|||"),
+                                 CaptionAug(caption_dropout_rate=0.3, keep_tokens=1),
+                                 CaptionAug(token_warmup_step=0.5, max_steps=10)])
+def test_cached_texts_without_randomness_is_the_general_path(aug):
+    # cached_texts answers the common case (no shuffle, no tag dropout, no warm-up) directly: 100,000 captions
+    # in a no-op's keys. Whatever it answers must be what the general path computes.
+    for caption in (CAP, "sks dog ||| red collar, grass", "", " a ,b,, c "):
+        general = {A.label(n, i): A.variant(caption, aug, n, i, 7)
+                   for n in A.warmup_lengths(caption, aug) for i in range(A._n_variants(aug))}
+        assert A.cached_texts(caption, aug, 7) == general
