@@ -145,3 +145,19 @@ def test_canonical_safetensors_header(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     with safe_open(str(files[0]), "pt") as f:
         assert f.metadata() == meta
+
+
+def test_run_record_reads_both_forms_and_refuses_an_altered_one(tmp_path):
+    import json
+
+    from tasks.hashing import digest_text
+
+    store, obj = Store(tmp_path), {"inputs": {"train": {"item:a.png": "0" * 64, "lr": 1e-4}}}
+    store.write_record("train", obj)
+    assert store.read_record("train") == obj
+    path = tmp_path / "runs" / "train.json"
+    old_text = json.dumps(obj, indent=1, sort_keys=True)  # the indented form records had before
+    path.write_text(json.dumps({"record": obj, "sha256": digest_text(old_text)}, indent=1, sort_keys=True))
+    assert store.read_record("train") == obj
+    path.write_text(path.read_text().replace("0.0001", "0.001"))
+    assert store.read_record("train") is None
