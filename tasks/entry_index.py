@@ -9,19 +9,18 @@ see (a bit rotting on disk in place) is still caught where it matters: every rea
 (`Store.verify`) checks its digest.
 
 Per kind, one file per first two hex digits of the key, `<store>/index/<kind>/<key[:2]>.json` (256 at most):
-{"entries": {key: [data file name, size, mtime_ns, ino, manifest size, mtime_ns, ino]}, "check": digest of the
-entries}. A run reads only the shards of the keys it checks, so a 12-item run costs the same in a store that
+{key: [data file name, size, mtime_ns, ino, manifest size, mtime_ns, ino]} sealed with its digest
+(tasks/hashing.py `sealed`). A run reads only the shards of the keys it checks, so a 12-item run costs the same in a store that
 also holds 100,000 entries. Merged under one lock per kind when saved, so processes sharing a store (sweep
 members, Dask workers) add to it; a torn or altered shard is ignored (its entries are verified again)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from pathlib import Path
 
-from tasks.hashing import digest_text
+from tasks.hashing import sealed, unseal
 
 log = logging.getLogger("loraflow")
 
@@ -54,11 +53,7 @@ class EntryIndex:
     def _read(self, shard: str) -> dict[str, list]:
         path = self._path(shard)
         try:
-            raw = json.loads(path.read_bytes())
-            entries = raw["entries"]
-            if raw["check"] != digest_text(json.dumps(entries, sort_keys=True, separators=(",", ":"))):
-                raise ValueError("its content does not match its digest")
-            return entries
+            return unseal(path.read_bytes())
         except FileNotFoundError:
             return {}
         except (ValueError, KeyError, TypeError) as e:
@@ -129,7 +124,5 @@ class EntryIndex:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for shard, added in sorted(by_shard.items()):
                 entries = {**self._read(shard), **added}
-                text = json.dumps(entries, sort_keys=True, separators=(",", ":"))
-                write(self._path(shard), json.dumps({"check": digest_text(text), "entries": entries},
-                                                    sort_keys=True, separators=(",", ":")).encode())
+                write(self._path(shard), sealed(entries))
                 self._shards[shard] = entries

@@ -8,21 +8,16 @@ folder, `<store>/index/images/<folder digest>.json`, with a digest of its conten
 is ignored (every image is read again). `store.rehash=true` ignores it too."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 
-from tasks.hashing import digest_bytes, digest_text, key_of
+from tasks.hashing import digest_bytes, key_of, sealed, unseal
 from tasks.images import ImageLoadError, decode_image
 
 log = logging.getLogger("loraflow")
 RACY_NS = 2_000_000_000
-
-
-def _encode(entries: dict) -> str:
-    return json.dumps(entries, sort_keys=True, separators=(",", ":"))
 
 
 class ImageMemo:
@@ -35,10 +30,7 @@ class ImageMemo:
 
     def _read(self) -> dict:
         try:
-            raw = json.loads(self.path.read_bytes())
-            if raw["check"] != digest_text(_encode(raw["entries"])):
-                raise ValueError("its content does not match its digest")
-            return raw["entries"]
+            return unseal(self.path.read_bytes())
         except FileNotFoundError:
             return {}
         except (ValueError, KeyError, TypeError) as e:
@@ -79,8 +71,6 @@ class ImageMemo:
         if not (self._new or self._forgot):
             return
         entries = {**self._entries, **self._new}
-        text = _encode(entries)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write(self.path, json.dumps({"check": digest_text(text), "entries": entries},
-                                    sort_keys=True, separators=(",", ":")).encode())
+        write(self.path, sealed(entries))
         self._entries, self._new, self._forgot = entries, {}, False

@@ -114,7 +114,8 @@ def test_unchanged_entries_are_not_read_and_a_changed_one_is(tmp_path, monkeypat
     assert reads == [keys[1]]  # verified in full, and found corrupt
 
     index = tmp_path / "store" / "index" / "latents" / f"{keys[0][:2]}.json"  # the shard of keys[0]
-    index.write_text(index.read_text().replace('"check":"', '"check":"0'))  # altered: ignored
+    sealed = index.read_bytes()  # "<sha256>\n<json>": a digest that does not match makes it ignored
+    index.write_bytes(("0" if sealed[:1] != b"0" else "1").encode() + sealed[1:])
     reads.clear()
     fresh = Store(tmp_path / "store")
     assert fresh.intact("latents", keys[0]) and reads == [keys[0]]

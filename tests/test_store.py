@@ -161,3 +161,20 @@ def test_run_record_reads_both_forms_and_refuses_an_altered_one(tmp_path):
     assert store.read_record("train") == obj
     path.write_text(path.read_text().replace("0.0001", "0.001"))
     assert store.read_record("train") is None
+
+
+def test_sealed_json_refuses_torn_or_altered_bytes_and_reads_the_form_before():
+    import json
+
+    import pytest
+
+    from tasks.hashing import digest_text, sealed, unseal
+
+    obj = {"b": [1, "x"], "a": {"k": 2.5}}
+    assert unseal(sealed(obj)) == obj
+    for bad in (sealed(obj)[:-3], sealed(obj).replace(b"2.5", b"2.6"), b"", b"0" * 64):
+        with pytest.raises(ValueError):
+            unseal(bad)
+    before = json.dumps({"check": digest_text(json.dumps(obj, sort_keys=True, separators=(",", ":"))),
+                         "entries": obj}).encode()
+    assert unseal(before) == obj
