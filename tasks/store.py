@@ -377,11 +377,12 @@ class Store:
         try:
             obj = json.loads(path.read_bytes())
             if isinstance(obj, dict) and ("sha256" in obj or "record" in obj):
-                if set(obj) != {"record", "sha256"} or (
-                        digest_text(json.dumps(obj["record"], sort_keys=True)) != obj["sha256"] and
-                        # a record written before the compact form
-                        digest_text(json.dumps(obj["record"], indent=1, sort_keys=True)) != obj["sha256"]):
+                if set(obj) != {"record", "sha256"}:
                     raise ValueError("its content does not match its digest")
+                if digest_text(json.dumps(obj["record"], sort_keys=True)) != obj["sha256"]:
+                    if digest_text(json.dumps(obj["record"], indent=1, sort_keys=True)) != obj["sha256"]:
+                        raise ValueError("its content does not match its digest")
+                    self.write_record(name, obj["record"])  # the indented form of before: written compact, once
                 return obj["record"]
             if not isinstance(obj, dict):  # records written before the digest are plain dicts
                 raise ValueError("not a JSON object")

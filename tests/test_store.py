@@ -159,6 +159,7 @@ def test_run_record_reads_both_forms_and_refuses_an_altered_one(tmp_path):
     old_text = json.dumps(obj, indent=1, sort_keys=True)  # the indented form records had before
     path.write_text(json.dumps({"record": obj, "sha256": digest_text(old_text)}, indent=1, sort_keys=True))
     assert store.read_record("train") == obj
+    assert json.loads(path.read_text())["sha256"] == digest_text(json.dumps(obj, sort_keys=True))  # rewritten
     path.write_text(path.read_text().replace("0.0001", "0.001"))
     assert store.read_record("train") is None
 
