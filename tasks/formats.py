@@ -53,6 +53,13 @@ def check_format(data: Path) -> None:
                 raise FormatError(f"{f}: not a JSON file ({e})") from e
 
 
+def safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets; `__metadata__`), tensors unread."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
 def canonicalize_safetensors(path: str | os.PathLike) -> None:
     """Rewrite a .safetensors header in a canonical order, in place.
 

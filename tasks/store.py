@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import tempfile
 from contextvars import ContextVar
 from pathlib import Path
@@ -295,7 +294,7 @@ class Store:
         return all(k in seen or self.intact(kind, k) for k in keys)
 
     def save_indexes(self) -> None:
-        """Writes what this process verified or wrote into the store's index files (one per kind)."""
+        """Writes what this process verified or wrote into the store's index (tasks/entry_index.py)."""
         for index in self._indexes.values():
             index.save(lambda path, data: self._write_small(path, data,
                                                             f"the store index {path.parent.name}/{path.name}"))
@@ -322,11 +321,8 @@ class Store:
 
     def tensor_shapes(self, kind: str, key: str) -> dict[str, list[int]]:
         """Name -> shape of a verified safetensors entry, from its header (the tensors are not loaded)."""
-        path = self.verify(kind, key)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+        return {k: v["shape"] for k, v in formats.safetensors_header(self.verify(kind, key)).items()
+                if k != "__metadata__"}
 
     def get_json(self, kind: str, key: str) -> Any:
         return json.loads(self.verify(kind, key).read_text())

@@ -26,7 +26,7 @@ from tasks.items import check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.store import Store
-from tasks.train_key import inputs, trajectory_key  # noqa: F401 (the node's key, re-exported)
+from tasks.train_key import inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
 from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
                                seed_everything, sum_gradients, update_ema)
 
@@ -396,7 +396,3 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                        sample_warnings=meta.get("sample_warnings", []),
                        validation_loss=meta.get("validation_loss", []),
                        **({"lora_ema": str(store.get_path(EMA_KIND, key))} if ema else {}))
-
-
-def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:
-    return key_of(inputs(cfg, plan, latent_keys, text_keys))

@@ -59,6 +59,10 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **_text_encoders(cfg, plan), **pairs}
 
 
+def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:
+    return key_of(inputs(cfg, plan, latent_keys, text_keys))
+
+
 def _text_encoders(cfg: dict, plan: dict) -> dict:
     # train.text_encoder_lr: the encoders (and tokenizers) being trained are part of what is trained
     return {"text_encoders": plan["ids"]["text"]} if te_lora.enabled(cfg) else {}
