@@ -8,6 +8,9 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 _PREFECT_HOME = tempfile.mkdtemp(prefix="loraflow-prefect-")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker its own test API and home (inherited from the controller)
+    os.environ["PREFECT_HOME"] = _PREFECT_HOME
+    os.environ["PREFECT_LOCAL_STORAGE_PATH"] = os.path.join(_PREFECT_HOME, "storage")
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", os.path.join(_PREFECT_HOME, "storage"))
 import flows  # noqa: E402,F401  (its Prefect defaults: no start-up telemetry, longer SQLite timeout)
@@ -16,6 +19,15 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
+
+
+def pytest_report_header(config):
+    """Which CPU kernels the numbers come from: `make test` forces AVX2 (ATEN_CPU_CAPABILITY), then reruns the
+    `numerics` tests on this machine's own."""
+    import torch
+
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"CPU kernels: {torch.backends.cpu.get_cpu_capability()}" + (f" (forced: {forced})" if forced else " (this CPU's own)")
 
 
 @pytest.fixture(scope="session")

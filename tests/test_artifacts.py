@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 from uuid import UUID
 
-import pytest
 
 
 def test_run_publishes_artifacts(workspace):
@@ -37,4 +36,5 @@ def test_training_logs_loss_to_tensorboard(workspace):
     assert "lr" in events.Tags()["scalars"]
     # the per-step losses the report's windows (log_every=4) are made of
     values = [e.value for e in events.Scalars("loss")]
-    assert report["loss"][0]["loss"] == pytest.approx(sum(values[:4]) / 4, rel=1e-5)
+    # TensorBoard keeps each loss as the float32 it was (loss.item()): the same four numbers, the same mean
+    assert report["loss"][0]["loss"] == sum(values[:4]) / 4

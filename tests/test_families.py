@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, Workspace
+from tolerance import render_sums, rounding
 
 FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein"]
 
@@ -82,7 +83,9 @@ def test_lora_loads_into_the_family_pipeline_and_changes_output(trained, fmt):
                    **({"max_sequence_length": 32} if "max_sequence_length" in pipe.__call__.__code__.co_varnames else {}))
         return out.images
 
-    assert not torch.allclose(render(None), render(files[fmt]), atol=1e-4)
+    moved = (render(None) - render(files[fmt])).abs().max().item()
+    pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
+    assert moved > rounding(**render_sums(pipe, steps=2)), "the LoRA should change the image beyond rounding"
 
 
 def test_export_format_selects_the_files(trained):
@@ -111,5 +114,6 @@ def test_text_cache_off_gives_the_same_losses(trained):
     cached = ws.run(ws.model, *short)
     live = ws.run(ws.model, "text.cache=false", *short)
     assert live["nodes"]["train"]["status"] == "ran" and live["nodes"]["cache_text"]["computed"] == 0
-    assert [e["loss"] for e in live["loss"]] == pytest.approx([e["loss"] for e in cached["loss"]], rel=1e-6)
+    # one caption at a time, live or cached: the same tensors, so the same losses
+    assert [e["loss"] for e in live["loss"]] == [e["loss"] for e in cached["loss"]]
     assert len(live["artifacts"]["samples"]) == 3  # sampling still works with captions uncached

@@ -65,7 +65,8 @@ def test_memory_options_through_the_dag(workspace):
     plain = workspace.run(*short)
     checkpointed = workspace.run(*short, "train.gradient_checkpointing=true")
     assert checkpointed["nodes"]["train"]["status"] == "ran"
-    assert [e["loss"] for e in checkpointed["loss"]] == pytest.approx([e["loss"] for e in plain["loss"]], rel=1e-6)
+    # recomputing the forward runs the same kernels on the same inputs: the same numbers
+    assert [e["loss"] for e in checkpointed["loss"]] == [e["loss"] for e in plain["loss"]]
 
     bf16 = workspace.run(*short, "train.mixed_precision=bf16")
     assert bf16["nodes"]["train"]["status"] == "ran"

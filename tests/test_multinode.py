@@ -1,7 +1,8 @@
 """Two "machines" on 127.0.0.1 (accelerate multi-node: two launches, one process each, gloo), each running the
 same CLI command with its own train.machine_rank and PREFECT_HOME, sharing one store: they train one LoRA
-together, machine 0 stores it, machine 1 waits for it and both finish. The LoRA equals (within the tolerance
-of tests/test_multiprocess.py) the one of a 2-process run on one machine."""
+together, machine 0 stores it, machine 1 waits for it and both finish. The LoRA is byte for byte the one of a
+2-process run on one machine: the same two batch shares, the same kernels, and an all-reduce of two
+gradients (a + b, the same sum in either order)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from safetensors.torch import load_file
 
@@ -45,14 +47,10 @@ def test_two_machines_train_the_lora_two_processes_on_one_machine_train(tmp_path
     reports = {n: json.loads((tmp_path / n / "report.json").read_text()) for n in ("machine0", "machine1", "one")}
     assert reports["machine0"]["nodes"]["train"]["key"] == reports["machine1"]["nodes"]["train"]["key"]
     assert reports["machine0"]["nodes"]["train"]["key"] != reports["one"]["nodes"]["train"]["key"]
-    two_machines = load_file(reports["machine1"]["artifacts"]["lora"])
-    one_machine = load_file(reports["one"]["artifacts"]["lora"])
-    assert two_machines.keys() == one_machine.keys()
-    diff = max((two_machines[k] - one_machine[k]).abs().max().item() for k in one_machine)
-    assert diff < 1e-4, f"LoRA weights differ by {diff}"
-    assert max(v.abs().max().item() for k, v in one_machine.items() if "lora_B" in k) > 1e-4  # training moved them
-    for a, b in zip(reports["machine0"]["loss"], reports["one"]["loss"]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+    two_machines, one_machine = reports["machine1"]["artifacts"]["lora"], reports["one"]["artifacts"]["lora"]
+    assert Path(two_machines).read_bytes() == Path(one_machine).read_bytes()
+    assert max(v.abs().max().item() for k, v in load_file(one_machine).items() if "lora_B" in k) > 0  # trained
+    assert reports["machine0"]["loss"] == reports["one"]["loss"]
 
 
 def test_a_machine_setting_that_cannot_work_is_refused_naming_the_key(tmp_path):

@@ -1,21 +1,27 @@
 """train.num_processes=2: the train node under `accelerate launch`, two CPU processes in a gloo group,
-against one process at the same global batch.
+against one process at the same global batch, for every family.
 
-Tolerance: CPU kernels are not batch-invariant (a batch of 2 and a batch of 4 round differently) and
-the gradient is summed across processes in another order, so the results agree to float rounding, not
-bit for bit: per-step losses within 1e-5 relative, LoRA weights within 1e-4 absolute after 8 steps."""
+What is promised, and why (README, "Several processes"): the two runs do the same maths in another order.
+Each process runs half the batch (CPU kernels are not batch-invariant) and the gradients are summed across
+processes, not within one matrix product. So each step's loss agrees to the rounding of a mean over the
+batch's latents, growing with the steps taken (tests/tolerance.py `rounding`); the LoRA weights agree to
+Adam's step bound only (`adam_drift`), since Adam divides each gradient by its own size and a
+rounding-level difference in a near-zero gradient can flip that weight's step."""
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from families import ALL, Family
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.store import Store
 from tasks.train import my_share
+from tolerance import approx, assert_losses_close, assert_within_adam_drift
 
 STEPS = ["train.max_steps=8", "train.log_every=1", "train.batch_size=4", "sample.steps=2"]
+TWO = ("train.max_steps=4", "train.batch_size=4", "train.log_every=1")
 
 
 def _train(store_root, *extra) -> dict:
@@ -26,19 +32,22 @@ def _train(store_root, *extra) -> dict:
     return train.run(cfg, plan, store, latents["items"], texts["items"])
 
 
-def test_two_processes_match_one_at_the_same_global_batch(tmp_path):
-    one = _train(tmp_path / "store")
-    two = _train(tmp_path / "store", "train.num_processes=2")
+@pytest.mark.numerics
+@pytest.mark.parametrize("family", ALL)
+def test_two_processes_match_one_at_the_same_global_batch(family, tmp_path):
+    fam = Family(family, tmp_path)
+    _, one = fam.train(*TWO)
+    _, two = fam.train(*TWO, "train.num_processes=2")
     assert two["computed"] == 1 and two["key"] != one["key"]  # its own LoRA, not the 1-process one reused
-    assert [x["step"] for x in two["losses"]] == list(range(1, 9))
-    for a, b in zip(one["losses"], two["losses"]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert [x["step"] for x in two["losses"]] == [1, 2, 3, 4]
+    assert_losses_close([x["loss"] for x in two["losses"]], [x["loss"] for x in one["losses"]],
+                        n=fam.loss_terms(one, batch=4), what=f"{family} 2 processes")
     a, b = load_file(one["lora"]), load_file(two["lora"])
-    assert a.keys() == b.keys()
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert diff < 1e-4, f"LoRA weights differ by {diff}"
-    # and training did move the weights: the comparison is not between two untouched initialisations
-    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 1e-3
+    cfg = fam.cfg(*TWO)
+    assert_within_adam_drift(b, a, lr=cfg["train"]["lr"], steps=4, what=f"{family} 2 processes")
+    # and training moved the weights (lora_B starts at zero; Adam's first step moves it by lr): the comparison
+    # is not between two untouched initialisations
+    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) >= cfg["train"]["lr"]
 
 
 def test_a_failing_process_fails_the_node_with_its_output(tmp_path):
@@ -60,9 +69,9 @@ def test_shares_cover_the_batch_once_with_weights_summing_to_one(positions, worl
     shares = [my_share(positions, r, world) for r in range(world)]
     covered = sorted(j for mine, w in shares if w for j in mine)
     assert covered == list(range(positions))
-    assert sum(w for _, w in shares) == pytest.approx(1.0)
+    assert sum(w for _, w in shares) == approx(1.0, n=world, dtype=torch.float64)  # world float64 fractions
     for mine, w in shares:
-        assert w == pytest.approx(len(mine) / positions) or (w == 0 and mine == [0])
+        assert w == len(mine) / positions or (w == 0 and mine == [0])
 
 
 def test_item_draws_do_not_depend_on_the_batch_split():

@@ -15,6 +15,7 @@ from peft import LoraConfig  # noqa: E402
 from tasks.models.sd3 import SD3Adapter  # noqa: E402
 from tasks.models.tiny_families import build_tiny_sd3  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
+from tolerance import assert_close, sums
 
 SEQ = 32
 TRAIN = dict(weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
@@ -30,6 +31,7 @@ def encoders(adapter):
     return adapter.load_text_encoders()
 
 
+@pytest.mark.numerics
 def test_encode_text_shapes_mask_and_batch_independence(adapter, encoders):
     texts = ["a red circle", "", "a much longer caption about a green square on a white background"]
     out = adapter.encode_text(encoders, texts)
@@ -40,8 +42,11 @@ def test_encode_text_shapes_mask_and_batch_independence(adapter, encoders):
     n_tokens = [m.sum().item() for m in (o["attention_mask"] for o in out)]
     assert n_tokens[1] < n_tokens[0] < n_tokens[2]  # "" is just </s>
     alone = adapter.encode_text(encoders, [texts[0]])[0]  # a text's tensors do not depend on its batch
-    for k in alone:
-        torch.testing.assert_close(alone[k], out[0][k])
+    for k in alone:  # a batch of 1 and of 3 may take other kernels: the encoders' rounding bounds the difference
+        if alone[k].dtype.is_floating_point:
+            assert_close(alone[k], out[0][k], **sums(encoders), what=k)
+        else:
+            assert torch.equal(alone[k], out[0][k]), k
 
 
 def test_training_loss_is_seeded_and_trains_only_lora(adapter, encoders):

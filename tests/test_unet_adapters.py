@@ -18,6 +18,7 @@ from tasks.models.sd15 import SD15Adapter  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
 from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
+from tolerance import assert_close, sums
 
 FAMILIES = {"sdxl": (SDXLAdapter, build_tiny_sdxl, 64), "sd15": (SD15Adapter, build_tiny_sd15, 32)}
 
@@ -33,6 +34,7 @@ def encoders(adapter):
     return adapter.load_text_encoders()
 
 
+@pytest.mark.numerics
 def test_encode_text_shapes_mask_and_batch_independence(adapter, encoders):
     width = FAMILIES[adapter.family][2]
     texts = ["a red circle", "", "a much longer caption about a green square on a white background"]
@@ -45,8 +47,11 @@ def test_encode_text_shapes_mask_and_batch_independence(adapter, encoders):
     n_tokens = [o["attention_mask"].sum().item() for o in out]
     assert n_tokens[1] == 2 and n_tokens[1] < n_tokens[0] < n_tokens[2]  # "" is bos + eos
     alone = adapter.encode_text(encoders, [texts[0]])[0]  # a text's tensors do not depend on its batch
-    for k in alone:
-        torch.testing.assert_close(alone[k], out[0][k])
+    for k in alone:  # a batch of 1 and of 3 may take other kernels: the encoders' rounding bounds the difference
+        if alone[k].dtype.is_floating_point:
+            assert_close(alone[k], out[0][k], **sums(encoders), what=k)
+        else:
+            assert torch.equal(alone[k], out[0][k]), k
 
 
 def _lora_unet(adapter, alpha=4):
