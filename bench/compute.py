@@ -173,7 +173,7 @@ def bench_train(cfg: dict, plan: dict, store, latent_keys: dict, text_keys: dict
 
     from tasks import cache_latents, cache_text, train
     from tasks.models import make_adapter
-    from tasks.memory import lora_targets
+    from tasks.training.memory import lora_targets
 
     tc = cfg["train"]
     steps, bs, rank = tc["max_steps"], tc["batch_size"], tc["rank"]

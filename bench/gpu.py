@@ -6,10 +6,10 @@
                                      # its weights and LoRA per configuration (bench/gpu_weights.json)
 
 What runs is loraflow's own training step, not a copy of it: the denoiser is prepared by the train node's
-`tasks.train_setup.prepare_denoiser` (frozen base, peft LoRA on the Flux adapter's default targets, fp32 LoRA
-weights, the autograd-safe fp8 base of tasks/fp8_base.py, gradient checkpointing), the loss is the Flux
+`tasks.training.train_setup.prepare_denoiser` (frozen base, peft LoRA on the Flux adapter's default targets, fp32 LoRA
+weights, the autograd-safe fp8 base of tasks/training/fp8_base.py, gradient checkpointing), the loss is the Flux
 adapter's `training_loss` (flow-matching noise and timesteps, 2x2 packing, velocity MSE), the optimizer is
-`tasks.train_setup.make_optimizer` (AdamW) and the step runs under bf16 autocast as `train.mixed_precision=bf16`
+`tasks.training.train_setup.make_optimizer` (AdamW) and the step runs under bf16 autocast as `train.mixed_precision=bf16`
 does. Only the weights differ: FLUX.1-dev's transformer config (19 double + 38 single blocks, 24 heads x 128
 = 3072 wide, T5 width 4096, CLIP pooled 768, guidance_embeds=True, ~11.9 B parameters) with random bf16
 weights made directly on the GPU (nothing is downloaded). One 1024x1024 image per step (latents 16x128x128,
@@ -64,7 +64,7 @@ def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool
     from diffusers import FluxTransformer2DModel
 
     from tasks.models.flux import FluxAdapter
-    from tasks.train_setup import prepare_denoiser
+    from tasks.training.train_setup import prepare_denoiser
 
     class RandomFlux(FluxAdapter):
         def load_denoiser(self):  # random bf16 weights made on the device: no file, no fp32 copy anywhere
@@ -110,7 +110,7 @@ def run_config(name: str, fp8: bool, ckpt: bool, modulation: bool, args, arch: d
     try:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        from tasks.train_setup import make_optimizer
+        from tasks.training.train_setup import make_optimizer
 
         if cuda:
             torch.cuda.empty_cache()
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "config": {"tiny": args.tiny, "arch": arch, "resolution": args.resolution, "text_len": args.text_len,
                       "batch": args.batch, "rank": args.rank, "steps": args.steps, "warmup": args.warmup,
-                      "train": TRAIN_CFG, "prepared_by": "tasks.train_setup.prepare_denoiser",
+                      "train": TRAIN_CFG, "prepared_by": "tasks.training.train_setup.prepare_denoiser",
                       "loss": "tasks.models.flux.FluxAdapter.training_loss", "autocast": "bf16"},
            "details": results, "total_seconds": time.perf_counter() - t0}
     out_path.write_text(json.dumps(doc, indent=1, default=str))

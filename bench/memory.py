@@ -3,8 +3,8 @@
     python -m bench.memory [--out bench/memory.json] [--rank 16] [--only bf16,fp8+ckpt]
 
 Weights: the exact bytes of the model the train node prepares (bench/gpu.py `build`, i.e.
-tasks.train_setup.prepare_denoiser: peft LoRA on the Flux adapter's default targets, fp32 LoRA, the fp8 base of
-tasks/fp8_base.py, gradient checkpointing). LoRA: fp32 weights + fp32 gradients + optimizer state (AdamW: two
+tasks.training.train_setup.prepare_denoiser: peft LoRA on the Flux adapter's default targets, fp32 LoRA, the fp8 base of
+tasks/training/fp8_base.py, gradient checkpointing). LoRA: fp32 weights + fp32 gradients + optimizer state (AdamW: two
 fp32 moments, 8 bytes a parameter; 8-bit AdamW: two 1-byte moments, 2 bytes a parameter).
 
 Activations: one training forward (the Flux adapter's own `training_loss`, under bf16 autocast as
@@ -173,10 +173,10 @@ def write_headers(folder: Path, arch: dict) -> Path:
 
 def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,
               optimizer: str = "adamw") -> dict:
-    """tasks.memory.estimate for the same configuration, as the validate node computes it."""
+    """tasks.training.memory.estimate for the same configuration, as the validate node computes it."""
     from diffusers import FluxTransformer2DModel
 
-    from tasks.memory import estimate
+    from tasks.training.memory import estimate
     from tasks.models.flux import FluxAdapter
 
     cfg = {"model": {"dtype": "bfloat16", "storage_dtype": "float8_e4m3fn" if fp8 else None,

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 
-from tasks import interrupt
+from tasks.training import interrupt
 
 EXIT_USER_ERROR = 2
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}

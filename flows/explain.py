@@ -22,10 +22,10 @@ import sys
 
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
-from tasks.dataset import DatasetError
-from tasks.hashing import changed_inputs, key_of
+from tasks.data.dataset import DatasetError
+from tasks.store.hashing import changed_inputs, key_of
 from tasks.report import NODES
-from tasks.remote_store import open_store
+from tasks.store.remote_store import open_store
 from tasks.store import Store
 
 USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError)  # as flows/train.py
@@ -39,7 +39,7 @@ def _normal(inputs: dict) -> dict:
 
 def _items(store: Store, kind: str, keys) -> tuple[int, int]:
     """(compute, reuse) over distinct keys, as a run counts them: an entry whose files are as they were when
-    last verified is answered from stat calls (tasks/entry_index.py), any other is verified, and one that
+    last verified is answered from stat calls (tasks/store/entry_index.py), any other is verified, and one that
     fails is counted as compute (unlike a run, explain leaves it in place and writes no index)."""
     distinct = list(dict.fromkeys(keys))
     seen = store.unchanged(kind, distinct)

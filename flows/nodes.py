@@ -14,8 +14,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import sample_point_artifact
 from tasks import cache_latents, cache_text, sample, train, validate
-from tasks.hashing import key_of
-from tasks.remote_store import open_store
+from tasks.store.hashing import key_of
+from tasks.store.remote_store import open_store
 
 PLANS, RESULTS = "plans", "results"  # <store>/flowstate/<area>/: validate's plan, the other nodes' results
 _LOADED: dict[tuple[str, str], dict] = {}  # (kind, key) -> JSON this process stored or read: read once

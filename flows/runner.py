@@ -20,8 +20,8 @@ from collections import Counter
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks import shards
-from tasks.remote_store import open_store
+from flows import shards
+from tasks.store.remote_store import open_store
 
 log = logging.getLogger("loraflow")
 # Test-only fault: "NODE:N:PATH" makes the first shard of NODE (the one that creates PATH) kill its own

@@ -20,14 +20,15 @@ from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
 from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, load, sample_task, train_task,
                          validate_task)
-from tasks import cache_latents, cache_text, interrupt, sample, train, validate
-from tasks.checkpoint_samples import all_valid
+from tasks import cache_latents, cache_text, sample, train, validate
+from tasks.training import interrupt
+from tasks.training.checkpoint_samples import all_valid
 from tasks.config import ConfigError, compose, resolve_paths
-from tasks.dataset import DatasetError
-from tasks.hashing import key_of
+from tasks.data.dataset import DatasetError
+from tasks.store.hashing import key_of
 from tasks.publish import publish
 from tasks.report import NODES, node_entry, write_report
-from tasks.remote_store import open_store
+from tasks.store.remote_store import open_store
 from tasks.store import CorruptArtifact, Store, StoreFull, track_repairs
 
 log = logging.getLogger("loraflow")
@@ -112,7 +113,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                             # the steps trained in this run (none when the train node was cached)
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
-              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/validation.py)
+              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation.py)
               "validation_loss": lora.get("validation_loss", []),
               "memory_estimate": plan["memory"], "dataset": plan["dataset"],
               "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each

@@ -5,8 +5,8 @@ import logging
 
 from PIL import ImageOps
 
-from tasks.images import image_to_tensor_and_geometry, read_image
-from tasks.hashing import key_of
+from tasks.data.images import image_to_tensor_and_geometry, read_image
+from tasks.store.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
 from tasks.models import adapter_class, make_adapter
 from tasks.config import ConfigError
@@ -64,7 +64,7 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
 
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
-    """`only`: compute just these item keys (a shard of the node's missing items, tasks/shards.py);
+    """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from tasks import augment
-from tasks import text_encoder_lora as te_lora
-from tasks.hashing import digest_text, key_of
+from tasks.data import augment
+from tasks.models import text_encoder_lora as te_lora
+from tasks.store.hashing import digest_text, key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
 from tasks.models import make_adapter
 from tasks.runtime import runtime
@@ -84,7 +84,7 @@ def inputs(cfg: dict, plan: dict) -> dict:
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
-    """`only`: compute just these item keys (a shard of the node's missing items, tasks/shards.py);
+    """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     texts = named_texts(plan, cfg)
     keys = item_keys(cfg, plan)

@@ -53,7 +53,7 @@ class SubsetConfig:
 @dataclass
 class DataConfig:
     dir: str = MISSING
-    # Folders with their own repeats / caption extension / is_reg (tasks/subsets.py). When given, data.dir is
+    # Folders with their own repeats / caption extension / is_reg (tasks/data/subsets.py). When given, data.dir is
     # not read; when empty, data.dir's `N_name/` subfolders (kohya's convention) are read as subsets.
     subsets: List[SubsetConfig] = field(default_factory=list)
     # true: each image's mirror image is cached as its own latent and trained as one more item
@@ -71,7 +71,7 @@ class DataConfig:
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False
     bucket_max_aspect: float = 2.0
-    # Validation loss (tasks/validation.py): this fraction of the images, a fixed seeded choice, is held out:
+    # Validation loss (tasks/training/validation.py): this fraction of the images, a fixed seeded choice, is held out:
     # cached like the others, never trained on, scored at fixed timesteps and noise. 0: off.
     validation_split: float = 0.0
     # Caption augmentation, kohya meanings; all of it works with the text cache (see text.variants).
@@ -123,7 +123,7 @@ class TrainConfig:
     # optimizer step), kept in checkpoints and exported beside the plain LoRA; null: off
     ema_decay: Optional[float] = None
     # A LoRA on the text encoders too (SD1.5/SDXL; kohya's --text_encoder_lr), in its own optimizer group at
-    # this lr; captions are then encoded live (tasks/text_encoder_lora.py). null: off, only the denoiser trains
+    # this lr; captions are then encoded live (tasks/models/text_encoder_lora.py). null: off, only the denoiser trains
     text_encoder_lr: Optional[float] = None
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10

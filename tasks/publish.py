@@ -9,9 +9,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tasks import export
-from tasks.checkpoint_samples import publish_step
-from tasks.hashing import key_of
+from tasks.training import export
+from tasks.training.checkpoint_samples import publish_step
+from tasks.store.hashing import key_of
 from tasks.lazy import lazy
 from tasks.sample import make_grid, slug
 from tasks.store import Store

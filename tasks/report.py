@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from tasks.hashing import changed_inputs
+from tasks.store.hashing import changed_inputs
 
 NODES = ("validate", "cache_latents", "cache_text", "train", "sample")
 
@@ -16,7 +16,7 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             "changed": changed_inputs(previous_inputs, result["inputs"]), "repaired": result.get("repaired", []),
             **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {}),
             **({"workers": result["workers"]} if "workers" in result else {}),  # caching: {worker: items computed}
-            # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/text_encoder_lora.py)
+            # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/models/text_encoder_lora.py)
             **({"text_encoding": result["text_encoding"]} if "text_encoding" in result else {})}
 
 

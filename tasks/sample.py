@@ -9,8 +9,8 @@ from pathlib import Path
 from PIL import Image
 
 from tasks import cache_text
-from tasks import text_encoder_lora as te_lora
-from tasks.hashing import key_of
+from tasks.models import text_encoder_lora as te_lora
+from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
 from tasks.runtime import runtime

@@ -14,20 +14,22 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tasks import augment, cache_latents, cache_text, checkpoint_samples, checkpoints, interrupt, validation
-from tasks import text_encoder_lora as te_lora
-from tasks.checkpoint_samples import CheckpointSampler, to_tensorboard
-from tasks.checkpoints import checkpoint_key, latest_checkpoint
-from tasks.checkpoints import load_checkpoint as _load_checkpoint
-from tasks.checkpoints import save_checkpoint as _save_checkpoint
-from tasks.formats import canonicalize_safetensors
-from tasks.hashing import key_of
+from tasks.data import augment
+from tasks import cache_latents, cache_text
+from tasks.training import checkpoint_samples, checkpoints, interrupt, validation
+from tasks.models import text_encoder_lora as te_lora
+from tasks.training.checkpoint_samples import CheckpointSampler, to_tensorboard
+from tasks.training.checkpoints import checkpoint_key, latest_checkpoint
+from tasks.training.checkpoints import load_checkpoint as _load_checkpoint
+from tasks.training.checkpoints import save_checkpoint as _save_checkpoint
+from tasks.store.formats import canonicalize_safetensors
+from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.store import Store
-from tasks.train_key import inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
-from tasks.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
+from tasks.training.train_key import inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
+from tasks.training.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
                                seed_everything, sum_gradients, update_ema)
 
 torch = lazy("torch")
@@ -355,7 +357,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
         on_samples: list | None = None) -> dict:
     """The train node: the stored LoRA for this key, or a new one trained in this process or, with
-    `train.num_processes` > 1, under `accelerate launch` (tasks/distributed.py). `run_dir` receives the
+    `train.num_processes` > 1, under `accelerate launch` (tasks/training/distributed.py). `run_dir` receives the
     TensorBoard logs of the steps trained in this run and the samples rendered during training, as they
     are rendered; `on_samples` (in this process only) is told of each sample point."""
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
@@ -372,7 +374,7 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
         trajectory = trajectory_key(node_inputs, cfg["train"])
         with store.tmp_dir("train") as tmp:
             if cfg["train"]["num_processes"] > 1 or cfg["train"]["num_machines"] > 1:
-                from tasks.distributed import launch_training, wait_for_lora
+                from tasks.training.distributed import launch_training, wait_for_lora
 
                 out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir)
                 if out is None:  # a machine other than 0: machine 0 stores the LoRA

@@ -8,16 +8,17 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks import augment, memory, subsets, validation
-from tasks import text_encoder_lora as te_lora
+from tasks.data import augment, subsets
+from tasks.training import memory, validation
+from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
-from tasks.dataset import SHARED_CAPTION, SKIPPED
-from tasks.hashing import digest_file, key_of
-from tasks.image_memo import ImageMemo
+from tasks.data.dataset import SHARED_CAPTION, SKIPPED
+from tasks.store.hashing import digest_file, key_of
+from tasks.data.image_memo import ImageMemo
 from tasks.models import adapter_class, component_ids, resolve_model
-from tasks.prompts import read_prompts
+from tasks.data.prompts import read_prompts
 from tasks.runtime import cuda_available
-from tasks.sizes import bucket_sizes, nearest_bucket, resolve_size
+from tasks.data.sizes import bucket_sizes, nearest_bucket, resolve_size
 from tasks.store import Store
 
 CODE_VERSION = "1"
@@ -69,7 +70,7 @@ def _check_ranges(cfg: dict) -> list[str]:
     a later stage needs; a value past it would crash that stage, hang, or train/sample nonsense."""
     import math
 
-    from tasks.prompts import MAX_SEED, MAX_SIDE, MAX_STEPS
+    from tasks.data.prompts import MAX_SEED, MAX_SIDE, MAX_STEPS
 
     def finite(v):
         return isinstance(v, int) or math.isfinite(v)
@@ -264,7 +265,7 @@ def run(cfg: dict, store: Store) -> dict:
 
     dc = cfg["data"]
     chosen, layout_warnings = subsets.resolve(dc)
-    memos = {}  # per folder: images decoded and digested before, by stat (tasks/image_memo.py)
+    memos = {}  # per folder: images decoded and digested before, by stat (tasks/data/image_memo.py)
     checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
         folder, ImageMemo(store.root, folder, use_stored=not store.rehash)))
     for memo in memos.values():

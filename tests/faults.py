@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasks.hashing import digest_file, digest_tree
+from tasks.store.hashing import digest_file, digest_tree
 
 REPO = Path(__file__).resolve().parents[1]
 # Small enough to be quick, with checkpoints so finished steps survive a kill.

@@ -1,4 +1,4 @@
-"""Caption augmentation (tasks/augment.py): sd-scripts semantics, deterministic cached variants, and a
+"""Caption augmentation (tasks/data/augment.py): sd-scripts semantics, deterministic cached variants, and a
 per-step choice that draws a fixed number of numbers from the training generator."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tasks import augment as A
-from tasks.augment import CaptionAug
+from tasks.data import augment as A
+from tasks.data.augment import CaptionAug
 
 CAP = "sks dog, red collar, grass, sunny day, park, tree, ball"  # 7 tags
 
@@ -121,7 +121,7 @@ def test_variant_deterministic_and_varied():
 
 def test_variant_is_stable_across_processes():
     # hashlib, not the salted hash(): a fresh interpreter (other PYTHONHASHSEED) gives the same text
-    code = ("from tasks.augment import CaptionAug, variant;"
+    code = ("from tasks.data.augment import CaptionAug, variant;"
             "print(variant('a, b, c, d, e, f', CaptionAug(shuffle_caption=True, caption_tag_dropout_rate=0.3),"
             " 2, 3, 11))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

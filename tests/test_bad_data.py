@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import tasks.dataset as dataset
-from tasks.dataset import DatasetError, check_dataset
+import tasks.data.dataset as dataset
+from tasks.data.dataset import DatasetError, check_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo"

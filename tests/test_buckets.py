@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from tasks.sizes import bucket_sizes, nearest_bucket
+from tasks.data.sizes import bucket_sizes, nearest_bucket
 from tasks.train import batch_at
 
 WIDE, TALL = ["img_00.png", "img_01.png", "img_02.png", "img_03.png"], ["img_04.png", "img_05.png"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import checkpoint_samples
+from tasks.training import checkpoint_samples
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ def test_the_fp16_loss_scaler_is_checkpointed(tmp_path):
     not the initial scale (the scaler's state is JSON metadata of the checkpoint, no pickle)."""
     import torch
 
-    from tasks.checkpoints import load_checkpoint, save_checkpoint
+    from tasks.training.checkpoints import load_checkpoint, save_checkpoint
     from tasks.store import Store
 
     store = Store(tmp_path / "store")

@@ -5,7 +5,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from tasks.config import compose, resolve_paths
-from tasks.sizes import area_size, resolve_size
+from tasks.data.sizes import area_size, resolve_size
 from tasks.validate import check_config
 from tasks.config import ConfigError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tasks.dataset import (DatasetError, ImageLoadError, Item, check_image, image_to_tensor,
+from tasks.data.dataset import (DatasetError, ImageLoadError, Item, check_image, image_to_tensor,
                            load_image, scan_dataset, validate_dataset)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_symlink_outside_is_refused(tmp_path):
 
 
 def test_pure_core_imports_no_orchestration():
-    code = "import sys, tasks.dataset, tasks.prompts; print(sorted(m for m in sys.modules if m in ('prefect', 'hydra')))"
+    code = "import sys, tasks.data.dataset, tasks.data.prompts; print(sorted(m for m in sys.modules if m in ('prefect', 'hydra')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
 

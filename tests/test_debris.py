@@ -9,7 +9,7 @@ import time
 
 from faults import KILL_AT, OVERRIDES, child, debris, pipeline
 
-from tasks import debris as debris_mod
+from tasks.store import debris as debris_mod
 from tasks.store import Store
 
 

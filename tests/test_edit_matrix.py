@@ -19,7 +19,7 @@ def counts(report):
 
 
 def distinct_texts(ws) -> int:
-    from tasks.prompts import read_prompts
+    from tasks.data.prompts import read_prompts
 
     texts = {p.read_text().strip() for p in ws.data.glob("*.txt")} | {""}
     for p in read_prompts(ws.prompts)[0]:

@@ -12,7 +12,7 @@ from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.publish import publish
 from tasks.store import Store
-from tasks.train_setup import make_ema, update_ema
+from tasks.training.train_setup import make_ema, update_ema
 from tolerance import assert_close
 
 EMA = ("train.ema_decay=0.5",)

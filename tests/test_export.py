@@ -1,4 +1,4 @@
-"""tasks/export.py: PEFT LoRA -> kohya .safetensors, checked for exactness against the PEFT/diffusers format.
+"""tasks/training/export.py: PEFT LoRA -> kohya .safetensors, checked for exactness against the PEFT/diffusers format.
 
 Reference everywhere: the same LoRA saved with `<Pipeline>.save_lora_weights(..., *_lora_adapter_metadata=config)`
 (so alpha is kept) and loaded with `load_lora_weights`. The kohya file must give the same image.
@@ -25,7 +25,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.export import kohya_metadata, save_kohya, to_kohya
+from tasks.training.export import kohya_metadata, save_kohya, to_kohya
 from tasks.models.tiny import build_tiny_flux
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
 from tasks.models.flux2_dev import Flux2DevAdapter
@@ -246,7 +246,7 @@ def test_save_kohya_replaces_atomically(tmp_path, monkeypatch):
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr("safetensors.torch.save_file", crash)  # what tasks.export writes with
+    monkeypatch.setattr("safetensors.torch.save_file", crash)  # what tasks.training.export writes with
     with pytest.raises(OSError):
         save_kohya(path, "sd15", sd, 4, 8, {"v": "3"})
     with safe_open(str(path), "pt") as f:  # the old file is intact and no temp file is left behind

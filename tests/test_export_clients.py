@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ldm_convert import UNET_PREFIX, _unet
-from tasks.export import bake_alpha, save_diffusers, to_kohya
+from tasks.training.export import bake_alpha, save_diffusers, to_kohya
 from test_export import (ALPHA, RANK, TARGETS, _denoiser, _load, _render, _render_peft_reference,  # noqa: F401
                          _trained_lora, model_dirs)
 from tolerance import assert_close, render_sums

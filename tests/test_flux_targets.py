@@ -38,7 +38,7 @@ def test_default_targets_are_the_blocks_only(adapter):
 
 
 def test_memory_estimate_counts_the_same_modules(adapter):
-    from tasks.memory import _lora_params, lora_targets
+    from tasks.training.memory import _lora_params, lora_targets
 
     targets = lora_targets({"target_modules": None}, adapter)
     model, _ = _lora_modules(adapter, targets)
@@ -49,14 +49,14 @@ def test_memory_estimate_counts_the_same_modules(adapter):
 
 
 def test_explicit_targets_keep_suffix_matching(adapter):
-    from tasks.memory import lora_targets
+    from tasks.training.memory import lora_targets
 
     assert lora_targets({"target_modules": ["to_q"]}, adapter) == ["to_q"]
 
 
 def test_only_flux_train_keys_change():
     # The family's own version enters the LoRA key (its bytes changed); the other families' keys stay.
-    from tasks.train_key import _family_version
+    from tasks.training.train_key import _family_version
 
     assert _family_version({"family": "flux"}) == {"family_version": "2"}
     assert _family_version({"family": "sd3"}) == _family_version({"family": "sdxl"}) == {}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from tasks.config import compose, resolve_paths
-from tasks.train_key import inputs
-from tasks.train_setup import precision
+from tasks.training.train_key import inputs
+from tasks.training.train_setup import precision
 from tasks.validate import config_errors
 
 

@@ -1,4 +1,4 @@
-"""The fp8 base in training (tasks/fp8_base.py): gradients equal those through an upcast copy of the same
+"""The fp8 base in training (tasks/training/fp8_base.py): gradients equal those through an upcast copy of the same
 fp8 weights, only fp8 weights are saved for backward (never a bf16 copy of a base weight), no fp8
 embedding lookup, and every family trains with it through the CLI."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 from diffusers.hooks import apply_layerwise_casting
 
-from tasks.fp8_base import store_base_low
+from tasks.training.fp8_base import store_base_low
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
-from tasks.train_setup import prepare_denoiser
+from tasks.training.train_setup import prepare_denoiser
 from test_cli import REPO, _cli
 
 FP8 = torch.float8_e4m3fn
@@ -176,7 +176,7 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     # diffusers' layerwise casting, applied as the previous code did (before peft): bf16 weights saved
     adapter, cfg = _family("flux", tmp_path / "lc")
     denoiser = adapter.load_denoiser().requires_grad_(False)
-    from tasks.memory import layerwise_skip_patterns
+    from tasks.training.memory import layerwise_skip_patterns
     apply_layerwise_casting(denoiser, storage_dtype=FP8, compute_dtype=BF16,
                             skip_modules_pattern=layerwise_skip_patterns(type(denoiser)))
     _, run_lc = _flux_block(tmp_path / "plain", None)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tasks import config as config_mod
 from tasks.config import ConfigError, compose, resolve_paths
-from tasks.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
+from tasks.data.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
 from tasks.validate import config_errors
 
 REPO = Path(__file__).resolve().parents[1]

@@ -42,8 +42,8 @@ def test_new_pixels_never_land_under_the_old_key(tmp_path):
 
 
 def test_read_image_digests_the_bytes_it_decodes(tmp_path):
-    from tasks.hashing import digest_file
-    from tasks.images import read_image
+    from tasks.store.hashing import digest_file
+    from tasks.data.images import read_image
 
     path = tmp_path / "a.png"
     Image.new("RGB", (8, 8), (1, 2, 3)).save(path)

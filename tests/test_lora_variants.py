@@ -12,7 +12,7 @@ from tasks import cache_latents, cache_text, publish, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models import adapter_class
 from tasks.store import Store
-from tasks.train_setup import prepare_denoiser
+from tasks.training.train_setup import prepare_denoiser
 from tolerance import assert_close, rounding, sums
 
 

@@ -1,4 +1,4 @@
-"""Memory options on the CPU: an fp8-stored base (tasks/fp8_base.py; never an fp8 embedding lookup),
+"""Memory options on the CPU: an fp8-stored base (tasks/training/fp8_base.py; never an fp8 embedding lookup),
 gradient checkpointing, mixed precision through accelerate, and clear errors for what needs CUDA."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tasks.config import ConfigError
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
-from tasks.train_setup import prepare_denoiser
+from tasks.training.train_setup import prepare_denoiser
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

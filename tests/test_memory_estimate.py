@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tasks.config import ConfigError
-from tasks.memory import GB, estimate, fitting_settings
+from tasks.training.memory import GB, estimate, fitting_settings
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
-from tasks.train_setup import prepare_denoiser
+from tasks.training.train_setup import prepare_denoiser
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -123,8 +123,8 @@ def test_flux_dev_at_1024(flux_dev_headers):
 def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers):
     from diffusers import FluxTransformer2DModel
 
-    from tasks.fp8_base import store_base_low
-    from tasks.memory import layerwise_skip_patterns
+    from tasks.training.fp8_base import store_base_low
+    from tasks.training.memory import layerwise_skip_patterns
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).requires_grad_(False)

@@ -56,7 +56,7 @@ def test_a_failing_process_fails_the_node_with_its_output(tmp_path):
     store = Store(tmp_path / "store")
     plan = validate.run(cfg, store)
     keys = {it["name"]: "0" * 64 for it in plan["items"]}
-    from tasks.distributed import launch_training
+    from tasks.training.distributed import launch_training
 
     out = tmp_path / "job"
     out.mkdir()

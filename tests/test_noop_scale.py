@@ -1,6 +1,6 @@
 """A no-op re-run that stays cheap at 100,000 items (issue 20, item 3): images unchanged since the last run are
-not decoded or digested again (tasks/image_memo.py), store entries whose files are unchanged are not read
-(tasks/entry_index.py), and Prefect's parameters and results hold keys, not items. Counts, never times
+not decoded or digested again (tasks/data/image_memo.py), store entries whose files are unchanged are not read
+(tasks/store/entry_index.py), and Prefect's parameters and results hold keys, not items. Counts, never times
 (the figure is bench/noop_scale.py's)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tasks import image_memo
-from tasks.hashing import digest_file, key_of, key_of_hex
+from tasks.data import image_memo
+from tasks.store.hashing import digest_file, key_of, key_of_hex
 from tasks.store import Store
 
 OLD = time.time() - 3600  # older than the memo's racy window
@@ -48,8 +48,8 @@ def _images(tmp_path, n=4):
 
 
 def test_unchanged_images_are_not_decoded_again(tmp_path, monkeypatch):
-    from tasks.dataset import check_dataset
-    from tasks.image_memo import ImageMemo
+    from tasks.data.dataset import check_dataset
+    from tasks.data.image_memo import ImageMemo
 
     folder, store = _images(tmp_path), tmp_path / "store"
     calls = _decodes(monkeypatch)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tasks import cache_latents, cache_text, train, validate
-from tasks.checkpoints import load_checkpoint, save_checkpoint
+from tasks.training.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.store import Store
-from tasks.train_setup import make_optimizer
+from tasks.training.train_setup import make_optimizer
 
 
 def _cfg(*overrides):

@@ -50,7 +50,7 @@ def test_outputs_are_real_files(baseline):
 
 def test_validate_lists_every_bad_file_and_nothing_downstream_runs(prefect_api, tmp_path):
     from flows.train import train_flow
-    from tasks.dataset import DatasetError
+    from tasks.data.dataset import DatasetError
 
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
+from tasks.data.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from tasks.hashing import digest_file
-from tasks.remote_store import open_store
+from tasks.store.hashing import digest_file
+from tasks.store.remote_store import open_store
 
 
 def test_rehash_redigests_a_file_the_memo_would_misname(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from faults import KILL_AT, OVERRIDES, REPO, child, debris, entries, pipeline, snapshot
-from tasks.hashing import digest_file
+from tasks.store.hashing import digest_file
 from tasks.store import Store
 
 _PIPELINE_CHILD = KILL_AT + "from faults import pipeline\npipeline(sys.argv[3], sys.argv[4:])\n"

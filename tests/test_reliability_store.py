@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from faults import REPO, child, data_of, debris, entries, flip, largest_file, snapshot, truncate
-from tasks.hashing import digest_file, digest_tree
-from tasks.store import Store, StoreFull, _manifest_check, track_repairs
+from tasks.store.hashing import digest_file, digest_tree
+from tasks.store import Store, StoreFull, track_repairs
+from tasks.store.store import _manifest_check
 
 KINDS = ("models", "latents", "text", "checkpoints", "lora", "lora_kohya", "lora_diffusers", "samples")
 FAULTS = ("flip-data", "truncate-data", "flip-manifest", "truncate-manifest", "pickle")
@@ -122,7 +123,7 @@ def test_corrupt_digest_memo_is_recomputed(tmp_path):
 # -- a full disk -----------------------------------------------------------------------------------
 def _fill_disk_on(monkeypatch, kind: str, after: int, where: str = "data", error=None):
     """The store's (after+1)-th write of `kind` gets half its bytes on disk, then ENOSPC."""
-    import tasks.store as store_mod
+    import tasks.store.store as store_mod
 
     error = error or OSError(errno.ENOSPC, "No space left on device")
     seen = {"n": 0}

@@ -9,7 +9,7 @@ import fsspec
 import pytest
 import torch
 
-from tasks.remote_store import RemoteStore, open_store
+from tasks.store.remote_store import RemoteStore, open_store
 from tasks.store import Store
 
 from conftest import FAST, REPO

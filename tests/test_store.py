@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.hashing import changed_inputs, digest_tree, key_of
+from tasks.store.hashing import changed_inputs, digest_tree, key_of
 from tasks.store import CorruptArtifact, Store
 
 
@@ -130,7 +130,7 @@ def test_canonical_safetensors_header(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from tasks.formats import canonicalize_safetensors
+    from tasks.store.formats import canonicalize_safetensors
 
     tensors = {"b": torch.arange(5.0), "a": torch.ones(3, 2)}
     meta = {f"k{i}": str(i) for i in range(20)}
@@ -150,7 +150,7 @@ def test_canonical_safetensors_header(tmp_path):
 def test_run_record_reads_both_forms_and_refuses_an_altered_one(tmp_path):
     import json
 
-    from tasks.hashing import digest_text
+    from tasks.store.hashing import digest_text
 
     store, obj = Store(tmp_path), {"inputs": {"train": {"item:a.png": "0" * 64, "lr": 1e-4}}}
     store.write_record("train", obj)
@@ -169,7 +169,7 @@ def test_sealed_json_refuses_torn_or_altered_bytes_and_reads_the_form_before():
 
     import pytest
 
-    from tasks.hashing import digest_text, sealed, unseal
+    from tasks.store.hashing import digest_text, sealed, unseal
 
     obj = {"b": [1, "x"], "a": {"k": 2.5}}
     assert unseal(sealed(obj)) == obj

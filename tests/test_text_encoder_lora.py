@@ -14,7 +14,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks import cache_latents, cache_text, checkpoints, publish, sample, train, train_key, validate
+from tasks import cache_latents, cache_text, publish, sample, train, validate
+from tasks.training import checkpoints, train_key
 from tasks.config import compose, resolve_paths
 from tasks.report import node_entry
 from tasks.store import Store

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import cache_latents, cache_text, train, validate, validation
+from tasks import cache_latents, cache_text, train, validate
+from tasks.training import validation
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.store import Store
 from tolerance import approx
@@ -140,9 +141,9 @@ def test_the_flow_reports_and_logs_the_validation_loss(workspace):
 
 def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
     """The last validation loss equals validation.score on the final checkpoint's LoRA weights."""
-    from tasks.checkpoints import KIND, checkpoint_key
+    from tasks.training.checkpoints import KIND, checkpoint_key
     from tasks.models import make_adapter
-    from tasks.train_setup import make_accelerator, precision, prepare_denoiser
+    from tasks.training.train_setup import make_accelerator, precision, prepare_denoiser
 
     cfg, plan, store, lat, txt = _plan(tmp_path / "s", "data.validation_split=0.25", "train.max_steps=3")
     out = train.run(cfg, plan, store, lat, txt)

@@ -5,7 +5,7 @@ import importlib
 from pathlib import Path
 
 from tasks.config import ConfigError
-from tasks.hashing import digest_tree, key_of
+from tasks.store.hashing import digest_tree, key_of
 from tasks.models.base import FamilyAdapter
 from tasks.store import Store
 

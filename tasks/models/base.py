@@ -131,7 +131,7 @@ class FamilyAdapter(ABC):
     # training passes them to the loss beside the text tensors.
     size_conditioning = False
     flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/flow_matching.py)
-    # train.text_encoder_lr (tasks/text_encoder_lora.py): the pipeline's text encoders that get a LoRA and the
+    # train.text_encoder_lr (tasks/models/text_encoder_lora.py): the pipeline's text encoders that get a LoRA and the
     # modules it targets in them; () = the family trains no text encoder (the setting is refused)
     text_encoder_lora_modules: tuple[str, ...] = ()
     text_encoder_lora_targets: tuple[str, ...] = ()

@@ -67,7 +67,7 @@ def layerwise_skip_patterns(denoiser_cls=None, modulation: bool = False) -> tupl
     this class (embeddings, norms incl. the AdaLN modulation linears under them, proj_in/proj_out) plus the
     class's own lists. `modulation`: without "norm", so the linears under norm-named modules (the AdaLN
     modulation) are stored low too; the norm layers themselves are never stored low (only Linear and Conv
-    weights are: tasks/fp8_base.py)."""
+    weights are: tasks/training/fp8_base.py)."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
     own = [*(getattr(denoiser_cls, "_keep_in_fp32_modules", None) or ()),
@@ -78,7 +78,7 @@ def layerwise_skip_patterns(denoiser_cls=None, modulation: bool = False) -> tupl
 
 def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | None,
                         skip_patterns: tuple[str, ...]) -> int:
-    """Bytes of the base weights as training holds them. With a storage dtype (tasks/fp8_base.py), the weights
+    """Bytes of the base weights as training holds them. With a storage dtype (tasks/training/fp8_base.py), the weights
     of the Linear/Conv layers (2+ dims; these denoisers have no nn.Embedding) are stored in it, except under a
     module whose name matches a skip pattern at any level of the path; biases and everything else stay in the
     compute dtype."""

@@ -1,5 +1,5 @@
 """Caption augmentation settings: the `CaptionAug` record and its reading from the `data` and `text` config
-sections, with an error per bad value that names its key (see tasks/augment.py for what they do)."""
+sections, with an error per bad value that names its key (see tasks/data/augment.py for what they do)."""
 from __future__ import annotations
 
 import math

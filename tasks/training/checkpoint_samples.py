@@ -18,9 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from tasks import cache_text, checkpoints, sample
-from tasks.hashing import key_of
-from tasks.prompts import read_prompts
+from tasks import cache_text, sample
+from tasks.training import checkpoints
+from tasks.store.hashing import key_of
+from tasks.data.prompts import read_prompts
 from tasks.store import Store
 from tasks.validate import planned_prompts
 

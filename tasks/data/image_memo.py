@@ -1,6 +1,6 @@
 """What validate learned from each image file (its bytes' sha256, its size, conversions, or why it cannot be
 used), remembered by the file's size, mtime and inode: a re-run decodes and digests only new or changed
-files (`dvc status`'s trade-off, as tasks/filedigests.py makes it for model weights).
+files (`dvc status`'s trade-off, as tasks/store/filedigests.py makes it for model weights).
 
 A file modified within the memo's own clock tick would keep its mtime (git's "racy" entries), so a file
 changed in the last two seconds is never remembered; it is read again next run. One JSON file per image
@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from tasks.hashing import digest_bytes, key_of, sealed, unseal
-from tasks.images import ImageLoadError, decode_image
+from tasks.store.hashing import digest_bytes, key_of, sealed, unseal
+from tasks.data.images import ImageLoadError, decode_image
 
 log = logging.getLogger("loraflow")
 RACY_NS = 2_000_000_000

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.lazy import lazy
-from tasks.memory import layerwise_skip_patterns, lora_targets
+from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
 torch = lazy("torch")
 
@@ -101,10 +101,10 @@ def prepare_denoiser(adapter, cfg: dict):
         p.data = p.data.float()
     if cfg["model"]["storage_dtype"]:
         # The frozen base weights stored in fp8, each cast to the compute dtype inside an autograd Function
-        # that saves only the fp8 weight (tasks/fp8_base.py). Embeddings and norms keep the compute dtype (no
+        # that saves only the fp8 weight (tasks/training/fp8_base.py). Embeddings and norms keep the compute dtype (no
         # fp8 index_select), the AdaLN modulation linears too unless model.storage_modulation. Applied after
         # peft wrapped the layers, so the LoRA layers' initial weights never pass through fp8.
-        from tasks.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
+        from tasks.training.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
 
         store_base_low(denoiser, getattr(torch, cfg["model"]["storage_dtype"]), adapter.dtype,
                        layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)))

@@ -41,7 +41,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from tasks.formats import canonicalize_safetensors
+from tasks.store.formats import canonicalize_safetensors
 from tasks.lazy import lazy
 
 torch = lazy("torch")

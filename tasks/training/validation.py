@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from tasks.config import ConfigError
-from tasks.hashing import key_of
+from tasks.store.hashing import key_of
 from tasks.lazy import lazy
 
 torch = lazy("torch")

@@ -1,7 +1,7 @@
 """Multi-process training: the train node under `accelerate launch` (data parallel).
 
 The node (parent) writes the job as JSON, starts `accelerate launch --multi_gpu --num_processes N -m
-tasks.distributed <job.json>` and relays the processes' output to its log. Each process runs the same
+tasks.training.distributed <job.json>` and relays the processes' output to its log. Each process runs the same
 `train.train_lora`, which splits every step's batch across them; the main process writes the LoRA and a
 result JSON into the job's folder. Nothing crosses the process boundary as a pickle.
 
@@ -41,7 +41,7 @@ def launch_command(job_file: Path, tc: dict, mixed_precision: str) -> list[str]:
             "--num_processes", str(tc["num_processes"]), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
             "--main_process_ip", (tc.get("main_process_ip") or "127.0.0.1") if not one else "127.0.0.1",
             "--main_process_port", str(tc.get("main_process_port") or _free_port()) if not one else str(_free_port()),
-            "-m", "tasks.distributed", str(job_file)]
+            "-m", "tasks.training.distributed", str(job_file)]
 
 
 def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: float = 1.0) -> None:
@@ -65,7 +65,7 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
            "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
-    from tasks.train_setup import precision
+    from tasks.training.train_setup import precision
 
     tc = cfg["train"]
     cmd = launch_command(job_file, tc, precision(cfg))
@@ -101,7 +101,7 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
 
 def _worker(job_file: str) -> None:
     from tasks import train
-    from tasks.remote_store import open_store
+    from tasks.store.remote_store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     job = json.loads(Path(job_file).read_text())

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-# Decoding lives in tasks.images; re-exported here for callers of the dataset API.
-from tasks.images import (ImageLoadError, Note, check_image, decode_image, image_to_tensor,  # noqa: F401
+# Decoding lives in tasks.data.images; re-exported here for callers of the dataset API.
+from tasks.data.images import (ImageLoadError, Note, check_image, decode_image, image_to_tensor,  # noqa: F401
                           inspect_image, load_image)
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MISSING_CAPTION_POLICIES = ("error", "empty")
 BAD_FILE_POLICIES = ("error", "skip")
 MIN_IMAGE_SIDE = 16
-# Policies a finding can name besides the conversions tasks.images reports.
+# Policies a finding can name besides the conversions tasks.data.images reports.
 SKIPPED = "skipped"
 SHARED_CAPTION = "trained, with the shared caption"
 EMPTY_CAPTION = "trained with an empty caption"
@@ -48,7 +48,7 @@ class Item:
     caption_file: str | None
     caption: str
     size: tuple[int, int] | None = None  # (width, height) after EXIF orientation, once decoded
-    digest: str | None = None  # sha256 of the image's bytes, when the check read them (tasks/image_memo.py)
+    digest: str | None = None  # sha256 of the image's bytes, when the check read them (tasks/data/image_memo.py)
 
     def __post_init__(self):  # Paths are accepted, kept as strings (so items compare equal either way)
         if not isinstance(self.image_file, str):
@@ -280,7 +280,7 @@ def check_dataset(data_dir, missing_caption: str = "error", caption_extension: s
     for item, mine, notes in candidates:
         if memo is None:
             (reason, size, converted), digest = inspect_image(item.image_path), None
-        else:  # a file seen unchanged before is not decoded again (tasks/image_memo.py)
+        else:  # a file seen unchanged before is not decoded again (tasks/data/image_memo.py)
             reason, size, converted, digest = memo.facts(item.image_file, item.name)
         if reason:
             mine.append(Problem(item.name, reason, "image"))

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tasks.hashing import key_of
+from tasks.store.hashing import key_of
 from tasks.store import MANIFEST, Store
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks.hashing import digest_file, digest_text, key_of
+from tasks.store.hashing import digest_file, digest_text, key_of
 
 log = logging.getLogger("loraflow")
 _REHASHED: set[Path] = set()  # files digested again in this process under store.rehash=true
 
 
 def memo_digest(store, path: Path, min_size: int) -> str:
-    from tasks.store import _note_repair
+    from tasks.store.store import _note_repair
 
     st = path.stat()
     if st.st_size < min_size:

@@ -21,9 +21,9 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks import debris, formats
-from tasks.entry_index import EntryIndex
-from tasks.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
+from tasks.store import debris, formats
+from tasks.store.entry_index import EntryIndex
+from tasks.store.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -96,7 +96,7 @@ def _read_manifest(entry: Path) -> dict:
 
 
 def _check_format(data: Path) -> None:
-    """The data's format beyond its digest (tasks/formats.py): a file planted with a matching manifest is refused."""
+    """The data's format beyond its digest (tasks/store/formats.py): a file planted with a matching manifest is refused."""
     try:
         formats.check_format(data)
     except formats.FormatError as e:
@@ -130,7 +130,7 @@ class Store:
         return self.root / kind / key[:2] / key
 
     def tmp_path(self, what: str) -> Path:
-        """A fresh name under tmp/ that says which process owns it (see tasks/debris.py)."""
+        """A fresh name under tmp/ that says which process owns it (see tasks/store/debris.py)."""
         return self.root / "tmp" / debris.fresh_name(what)
 
     def tmp_dir(self, what: str) -> tempfile.TemporaryDirectory:
@@ -269,7 +269,7 @@ class Store:
 
     def intact(self, kind: str, key: str) -> bool:
         """valid(), answered from two stat calls when the entry's files are as they were when last verified
-        (tasks/entry_index.py); entries verified here are remembered for the next run (save_indexes)."""
+        (tasks/store/entry_index.py); entries verified here are remembered for the next run (save_indexes)."""
         entry = f"{self.root}/{kind}/{key[:2]}/{key}"  # = entry_dir, without pathlib's cost (100,000 entries)
         index = self._index(kind)
         if index.intact(key, entry):
@@ -294,7 +294,7 @@ class Store:
         return all(k in seen or self.intact(kind, k) for k in keys)
 
     def save_indexes(self) -> None:
-        """Writes what this process verified or wrote into the store's index (tasks/entry_index.py)."""
+        """Writes what this process verified or wrote into the store's index (tasks/store/entry_index.py)."""
         for index in self._indexes.values():
             index.save(lambda path, data: self._write_small(path, data,
                                                             f"the store index {path.parent.name}/{path.name}"))
@@ -394,6 +394,6 @@ class Store:
     rehash = False  # store.rehash=true: each big file digested again (once per process), its memo rewritten
 
     def file_digest(self, path: str | os.PathLike, min_size: int = 16 << 20) -> str:
-        from tasks.filedigests import memo_digest
+        from tasks.store.filedigests import memo_digest
 
         return memo_digest(self, Path(path).resolve(), min_size)

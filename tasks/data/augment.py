@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from tasks.augment_config import CaptionAug, errors, from_config, setting  # the settings, read from the config
+from tasks.data.augment_config import CaptionAug, errors, from_config, setting  # the settings, read from the config
 from tasks.lazy import lazy
 
 torch = lazy("torch")

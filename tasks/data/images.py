@@ -109,7 +109,7 @@ def load_image(path) -> Image.Image:
 def read_image(path) -> tuple[Image.Image, str]:
     """The image and the sha256 of the very bytes decoded (the file is read once): what is encoded is
     what the digest names, even if the file changes meanwhile."""
-    from tasks.hashing import digest_bytes
+    from tasks.store.hashing import digest_bytes
 
     data = Path(path).read_bytes()
     return decode_image(path, data)[0], digest_bytes(data)

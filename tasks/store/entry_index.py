@@ -10,7 +10,7 @@ see (a bit rotting on disk in place) is still caught where it matters: every rea
 
 Per kind, one file per first two hex digits of the key, `<store>/index/<kind>/<key[:2]>.json` (256 at most):
 {key: [data file name, size, mtime_ns, ino, manifest size, mtime_ns, ino]} sealed with its digest
-(tasks/hashing.py `sealed`). A run reads only the shards of the keys it checks, so a 12-item run costs the same in a store that
+(tasks/store/hashing.py `sealed`). A run reads only the shards of the keys it checks, so a 12-item run costs the same in a store that
 also holds 100,000 entries. Merged under one lock per kind when saved, so processes sharing a store (sweep
 members, Dask workers) add to it; a torn or altered shard is ignored (its entries are verified again)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import threading
 from pathlib import Path
 
-from tasks.hashing import sealed, unseal
+from tasks.store.hashing import sealed, unseal
 
 log = logging.getLogger("loraflow")
 
@@ -57,7 +57,7 @@ class EntryIndex:
         except FileNotFoundError:
             return {}
         except (ValueError, KeyError, TypeError) as e:
-            from tasks.store import _note_repair
+            from tasks.store.store import _note_repair
 
             log.warning("store index %s is unreadable (%s): its entries are verified again", path, e)
             _note_repair(f"index/{self.kind}/{shard}")

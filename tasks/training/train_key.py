@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tasks import augment, cache_text
-from tasks import text_encoder_lora as te_lora
-from tasks.hashing import key_of, key_of_hex
+from tasks.data import augment
+from tasks import cache_text
+from tasks.models import text_encoder_lora as te_lora
+from tasks.store.hashing import key_of, key_of_hex
 from tasks.models import adapter_class
 from tasks.runtime import runtime
 
@@ -70,7 +71,7 @@ def _text_encoders(cfg: dict, plan: dict) -> dict:
 
 def _validation(cfg: dict, plan: dict, pair) -> dict:
     # The held-out items (their losses are stored with the LoRA), only when data.validation_split is set.
-    from tasks.validation import DRAWS, VALIDATION_SEED
+    from tasks.training.validation import DRAWS, VALIDATION_SEED
 
     held = set(plan.get("validation_items", []))
     if not held:
@@ -107,7 +108,7 @@ def _loss_scaling(cfg: dict) -> dict:
 
 def _modulation(cfg: dict) -> dict:
     # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
-    # LoRA bytes changed with tasks/fp8_base.py (the autograd-safe cast replaced layerwise casting).
+    # LoRA bytes changed with tasks/training/fp8_base.py (the autograd-safe cast replaced layerwise casting).
     if not cfg["model"]["storage_dtype"]:
         return {}
     return {"fp8_base": FP8_BASE_VERSION, **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}

@@ -1,5 +1,5 @@
 """Which folders train: data.dir alone, its kohya `N_name/` folders, or data.subsets; each with its repeats,
-caption extension and is_reg. Pure core (no prefect/hydra), like tasks.dataset.
+caption extension and is_reg. Pure core (no prefect/hydra), like tasks.data.dataset.
 
 Item names stay unique across folders: a subset's items are named `<label>/<path in its folder>`. The label
 of a kohya folder is its name, so its items keep the names they had relative to data.dir; data.dir alone (and
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, _is_dir, _root, check_dataset
+from tasks.data.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, _is_dir, _root, check_dataset
 
 # kohya's DreamBooth folder name: `<repeats>_<name>`; at most 6 digits (int() of thousands of digits fails)
 KOHYA_FOLDER = re.compile(r"^([1-9][0-9]{0,5})_(.+)$")
@@ -67,7 +67,7 @@ def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
 
 def check(dc: dict, subsets: list[Subset], memo_of=None) -> list[tuple[Subset, DatasetCheck]]:
     """check_dataset of every subset, findings named like their items; every subset's problems in one error.
-    `memo_of(folder)`: that folder's ImageMemo (tasks/image_memo.py), or None to decode every image."""
+    `memo_of(folder)`: that folder's ImageMemo (tasks/data/image_memo.py), or None to decode every image."""
     checked, messages, problems = [], [], []
     for s in subsets:
         try:
@@ -94,7 +94,7 @@ def _labels(dirs: list[Path]) -> list[str]:
 
 def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[str]]:
     """(the `N_name/` folders directly under root with their repeats, the entries holding images outside them,
-    the linked folders: not followed, as tasks.dataset does)."""
+    the linked folders: not followed, as tasks.data.dataset does)."""
     folders, outside, linked = [], [], []
     with os.scandir(root) as it:  # its entries know "folder? link?" without a stat call (100,000 images)
         entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
@@ -117,7 +117,7 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
 
 def _has_images(folder: Path) -> bool:
     for _, dirnames, files in os.walk(folder, followlinks=False):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # hidden folders are not read (tasks.dataset)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # hidden folders are not read (tasks.data.dataset)
         if any(f.lower().endswith(IMAGE_EXTS) and not f.startswith(".") for f in files):
             return True
     return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from tasks.hashing import key_of
+from tasks.store.hashing import key_of
 from tasks.lazy import lazy
 from tasks.store import Store
 

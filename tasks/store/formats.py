@@ -1,6 +1,6 @@
 """What a stored file must look like beyond its digest (a safetensors header that accounts for every byte, a PNG
 signature, JSON, never a pickle), and the canonical byte order of a safetensors header. Pure core: the store
-(tasks/store.py) turns a FormatError into CorruptArtifact, and the entry is recomputed."""
+(tasks/store/store.py) turns a FormatError into CorruptArtifact, and the entry is recomputed."""
 from __future__ import annotations
 
 import json
