@@ -20,15 +20,14 @@ import json
 import logging
 import sys
 
+from flows.errors import USER_ERRORS
 from tasks import cache_latents, cache_text, sample, train, validate
-from tasks.config import ConfigError, compose, resolve_paths
-from tasks.data.dataset import DatasetError
+from tasks.config import compose, resolve_paths
 from tasks.store.hashing import changed_inputs, key_of
 from tasks.report import NODES
 from tasks.store.remote_store import open_store
 from tasks.store import Store
 
-USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError)  # as flows/train.py
 SHOWN_CHANGES = 5
 
 

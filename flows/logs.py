@@ -48,7 +48,7 @@ class _NoUserErrorTraceback(logging.Filter):
     or data: the message says what to fix) the message is enough, on the terminal and in the API."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from flows.train import USER_ERRORS
+        from flows.errors import USER_ERRORS
 
         if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
             record.exc_info, record.exc_text = None, None

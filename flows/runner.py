@@ -39,7 +39,7 @@ def _worker_address() -> str:
 
 
 def _not_a_user_error(task, task_run, state) -> bool:
-    from flows.train import USER_ERRORS
+    from flows.errors import USER_ERRORS
 
     try:
         state.result()

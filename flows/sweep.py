@@ -132,7 +132,7 @@ def member_failed(out_dir: str | Path, error: BaseException) -> dict:
 
 
 def _user_errors() -> tuple[type, ...]:
-    from flows.train import USER_ERRORS
+    from flows.errors import USER_ERRORS
 
     return USER_ERRORS
 

@@ -1,9 +1,9 @@
-"""loraflow's training flow.
+"""loraflow's training flow: the DAG, node after node.
 
     validate ─┬─> cache_latents ─┐
-              └─> cache_text ────┴─> train ──> sample ──> report.json
+              └─> cache_text ────┴─> train ──> sample ──> publish ──> report.json
 
-CLI:        python -m flows.train [hydra overrides]      (-m for sweeps)
+CLI:        python -m flows.train [hydra overrides]      (-m for sweeps; the Hydra app is flows/cli.py)
 Deployment: train_flow(config_name="train", overrides=[...]) composes with Hydra's compose API.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 
 from prefect import flow
 
-from flows import auth, console, sweep
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
@@ -23,16 +22,14 @@ from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, ke
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.training import interrupt
 from tasks.training.checkpoint_samples import all_valid
-from tasks.config import ConfigError, compose, resolve_paths
-from tasks.data.dataset import DatasetError
+from tasks.config import compose, resolve_paths
 from tasks.store.hashing import key_of
 from tasks.publish import publish
-from tasks.report import NODES, node_entry, write_report
+from tasks.report import NODES, assemble, write_report
 from tasks.store.remote_store import open_store
-from tasks.store import CorruptArtifact, Store, StoreFull, track_repairs
+from tasks.store import CorruptArtifact, Store, track_repairs
 
 log = logging.getLogger("loraflow")
-USER_ERRORS = (ConfigError, DatasetError, FileNotFoundError, StoreFull)
 _KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "train": train.KIND,
           "sample": sample.KIND}
 
@@ -108,17 +105,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
 
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
-    report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
-              "artifacts": {**artifacts, "base_model": plan["model_dir"],
-                            # the steps trained in this run (none when the train node was cached)
-                            **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
-              "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []), "loss": lora.get("losses", []),
-              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation.py)
-              "validation_loss": lora.get("validation_loss", []),
-              "memory_estimate": plan["memory"], "dataset": plan["dataset"],
-              "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
-              "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
-    report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
+    report = assemble(config_name, results, previous, plan, lora, texts, artifacts, run_dir, repaired)
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     inputs = {n: r["inputs"] for n, r in results.items()}
@@ -133,88 +120,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     return {"report": str(path), "run_dir": str(run_dir), "flow_run_id": str(flow_run.id)}
 
 
-def check_config_only(config_name: str, overrides: list[str]) -> None:
-    """The config checks that read no file and load no model; ConfigError naming every bad key."""
-    errors = validate.config_errors(resolve_paths(compose(config_name, overrides)[0]))
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+if __name__ == "__main__":  # python -m flows.train: the Hydra CLI (flows/cli.py)
+    from flows.cli import main
 
-
-def _stop_on_bad_config() -> None:
-    """A single run's bad override (misspelt key, wrong type, syntax, bad value) stops here, before Hydra
-    and Prefect's API start: exit 2 and one message naming the key, no traceback. Anything but a plain
-    run of conf/ (-m, --cfg, --help, -cp/-cd) is left to Hydra."""
-    from hydra._internal.utils import get_args_parser
-
-    args = get_args_parser().parse_args()
-    if args.multirun and "hydra/launcher=prefect" in args.overrides:  # no server or deployment: one line
-        _stop_unless_launcher_ready(args.overrides)
-    if any((args.multirun, args.cfg, args.help, args.hydra_help, args.info, args.shell_completion, args.config_path,
-            args.config_dir, args.experimental_rerun, args.package, args.resolve)):
-        return
-    try:
-        check_config_only(args.config_name or "train", args.overrides)
-    except ConfigError as e:
-        print(f"loraflow: stopped before training: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _stop_unless_launcher_ready(overrides: list[str]) -> None:
-    from hydra_plugins.loraflow_prefect_launcher.prefect_launcher import why_not_ready
-
-    named = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.launcher.deployment=")]
-    if problem := why_not_ready(named[-1] if named else "loraflow/train"):
-        print(f"loraflow: sweep not started: {problem}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _hydra_main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    _stop_on_bad_config()
-    auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
-    console.install_signal_handlers()
-    console.shield_temporary_server()
-
-    @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-    def main(cfg) -> float | dict | None:
-        for noisy in ("httpx", "httpcore"):  # Hydra's job logging turns on INFO for every library
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-        hc = HydraConfig.get()
-        # Unresolved: iterating the ListConfig would resolve a "train.lr=${...}" override's text here.
-        overrides = [*OmegaConf.to_container(hc.overrides.task), f"hydra.run.dir={hc.runtime.output_dir}"]
-        console.quiet_user_errors(USER_ERRORS)
-        try:
-            if hc.mode == RunMode.MULTIRUN:  # a sweep member's bad config: no flow run (a single run's was checked)
-                check_config_only(hc.job.config_name, overrides)
-            out = train_flow(config_name=hc.job.config_name, overrides=overrides)
-        except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
-            console.exit_interrupted(e)
-        except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
-            if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its summary lists the member as failed
-                return sweep.member_failed(hc.runtime.output_dir, e)
-            console.exit_user_error(e, "stopped" if isinstance(e, StoreFull) else "stopped before training")
-        except Exception as e:
-            auth.stop_on_auth_failure(e)
-            if hc.mode == RunMode.MULTIRUN:
-                return sweep.member_failed(hc.runtime.output_dir, e)
-            raise
-        print(f"\nloraflow: done. LoRA, samples (grid.png) and report.json are in {out['run_dir']}")
-        return sweep.objective(out["report"])  # what hydra/sweeper=optuna minimises
-
-    sweep.seed_optuna(sys.argv)  # hydra/sweeper=optuna: a seeded sampler unless the command line seeds it
-    main()
-    if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)
-        names = ", ".join(m["member"] for m in sweep.failed_members)
-        print(f"loraflow: sweep: {len(sweep.failed_members)} member(s) failed ({names}); errors in "
-              f"{sweep.summary_path}", file=sys.stderr)
-        sys.exit(1)
-
-
-cli = _hydra_main  # the `loraflow` console command
-
-if __name__ == "__main__":
-    sys.exit(_hydra_main())
+    sys.exit(main())

@@ -20,6 +20,25 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             **({"text_encoding": result["text_encoding"]} if "text_encoding" in result else {})}
 
 
+def assemble(config_name: str, results: dict, previous: dict, plan: dict, lora: dict, texts: dict, artifacts: dict,
+             run_dir: Path, repaired: list[str]) -> dict:
+    """report.json of a flow run: `results` are the five nodes' results, `previous` their inputs in the last
+    run of this config (what changed), `artifacts` what publish wrote."""
+    report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
+              "artifacts": {**artifacts, "base_model": plan["model_dir"],
+                            # the steps trained in this run (none when the train node was cached)
+                            **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
+              "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []),
+              "loss": lora.get("losses", []),
+              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation.py)
+              "validation_loss": lora.get("validation_loss", []),
+              "memory_estimate": plan["memory"], "dataset": plan["dataset"],
+              "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
+              "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
+    report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
+    return report
+
+
 def readable_changes(changed: list[str], prompts_file: str, caption_extension: str = ".txt", limit: int = 6) -> str:
     """The `changed` names of a node for a person: the caption, image or prompt line that was edited."""
     def one(name: str) -> str:

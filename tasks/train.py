@@ -23,19 +23,18 @@ from tasks.training.checkpoints import checkpoint_key, latest_checkpoint
 from tasks.training.checkpoints import load_checkpoint as _load_checkpoint
 from tasks.training.checkpoints import save_checkpoint as _save_checkpoint
 from tasks.store.formats import canonicalize_safetensors
-from tasks.store.hashing import key_of
+from tasks.store.hashing import key_int, key_of
 from tasks.items import check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.store import Store
-from tasks.training.train_key import inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
+from tasks.training.train_key import CODE_VERSION, inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
 from tasks.training.train_setup import (make_accelerator, make_ema, make_optimizer, precision, prepare_denoiser, save_ema,
                                seed_everything, sum_gradients, update_ema)
 
 torch = lazy("torch")
 optimization = lazy("diffusers.optimization")
 
-CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 KIND = "lora"
 CHECKPOINT_KIND = checkpoints.KIND
 EMA_KIND = "lora_ema"  # train.ema_decay: the EMA LoRA, under the train key
@@ -156,10 +155,6 @@ class _Latents:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         """"latents", and for SDXL the image's "original_size" and "crop_top_left" (its size conditioning)."""
         return self.memo.get_or_load(i, lambda: self.store.get_tensors(cache_latents.KIND, self.keys[i]))
-
-
-def key_int(*parts) -> int:
-    return int(key_of(list(parts))[:15], 16)
 
 
 def _stack(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -398,3 +393,11 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                        sample_warnings=meta.get("sample_warnings", []),
                        validation_loss=meta.get("validation_loss", []),
                        **({"lora_ema": str(store.get_path(EMA_KIND, key))} if ema else {}))
+
+
+if __name__ == "__main__":  # one process of `accelerate launch` (train.num_processes; tasks/training/distributed.py)
+    import sys
+
+    from tasks.training.distributed import run_worker
+
+    run_worker(sys.argv[1], train_lora)

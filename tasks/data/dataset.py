@@ -90,7 +90,7 @@ def _check_options(missing_caption: str, caption_extension: str, bad_files: str 
                          "it must start with a dot, e.g. '.txt'")
 
 
-def _root(data_dir) -> Path:
+def dataset_root(data_dir) -> Path:
     root = Path(data_dir)
     if not root.exists():
         raise DatasetError(f"data.dir={str(root)!r} does not exist; point data.dir at a folder of images")
@@ -99,7 +99,7 @@ def _root(data_dir) -> Path:
     return root
 
 
-def _is_dir(entry: os.DirEntry) -> bool:
+def is_dir(entry: os.DirEntry) -> bool:
     try:
         return entry.is_dir()
     except OSError:  # a looping link: not a folder (as os.walk and os.path.isdir answer)
@@ -127,7 +127,7 @@ def _walk(root: Path, real_root: Path, ext: str, problems: list[Problem], notes:
         subfolders = []
         for e in entries:
             link = e.is_symlink()
-            if _is_dir(e):  # follows links: a linked folder is reported, never descended
+            if is_dir(e):  # follows links: a linked folder is reported, never descended
                 if link:
                     _linked_dir(Path(e.path), root, real_root, problems, notes)
                 else:
@@ -201,7 +201,7 @@ def _caption(img: str, name: str, real_root: Path, policy: str, ext: str, listed
 def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str = "error"):
     """Candidates (item, its problems, its notes) plus dataset-level problems and notes."""
     _check_options(missing_caption, caption_extension, bad_files)
-    root = _root(data_dir)
+    root = dataset_root(data_dir)
     real_root = root.resolve()
     problems: list[Problem] = []
     notes: list[Finding] = []

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, _is_dir, _root, check_dataset
+from tasks.data.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, is_dir, dataset_root, check_dataset
 
 # kohya's DreamBooth folder name: `<repeats>_<name>`; at most 6 digits (int() of thousands of digits fails)
 KOHYA_FOLDER = re.compile(r"^([1-9][0-9]{0,5})_(.+)$")
@@ -51,7 +51,7 @@ def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
         labels = _labels([Path(s["dir"]) for s in dc["subsets"]])
         return [Subset(Path(s["dir"]), label, s["repeats"], s["caption_extension"] or ext, s["is_reg"])
                 for s, label in zip(dc["subsets"], labels)], []
-    root = _root(dc["dir"])
+    root = dataset_root(dc["dir"])
     folders, outside, linked = _kohya_layout(root)
     if folders and not outside:  # linked folders are never followed; a plain folder's scan lists them, say it here
         return [Subset(path, path.name, repeats, ext) for path, repeats in folders], [
@@ -99,7 +99,7 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
     with os.scandir(root) as it:  # its entries know "folder? link?" without a stat call (100,000 images)
         entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     for entry in entries:
-        if entry.name.lower().endswith(IMAGE_EXTS) and not _is_dir(entry):  # most entries: decided by the name
+        if entry.name.lower().endswith(IMAGE_EXTS) and not is_dir(entry):  # most entries: decided by the name
             outside.append(entry.name)
             continue
         match = KOHYA_FOLDER.match(entry.name)

@@ -55,7 +55,7 @@ _COLOURS = "red blue green yellow orange purple pink white black grey".split()
 _SHAPES = "circle square triangle star heart diamond stripes dots".split()
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
     """Deterministic lines: the word list plus templated captions like the ones we train on."""
     lines = [" ".join(_WORDS[i : i + 12]) for i in range(0, len(_WORDS), 12)]
     lines += [
@@ -65,7 +65,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> list[tuple[str, str]]:
+def learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> list[tuple[str, str]]:
     """Plain BPE merge learning with ties broken by pair, so the result is reproducible
     (tokenizers' BpeTrainer/UnigramTrainer break ties in hash order: different files every run).
     `suffix` marks a word's last symbol (CLIP's "</w>"; "" for GPT-2/Qwen byte-level BPE)."""
@@ -90,14 +90,14 @@ def _learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> l
     return merges
 
 
-def _clip_tokenizer(num_merges: int) -> CLIPTokenizerFast:
+def clip_tokenizer(num_merges: int) -> CLIPTokenizerFast:
     """Byte-level BPE with CLIP's pre-processing and vocab layout (bytes, bytes</w>, merges, specials)."""
     backend = CLIPTokenizerFast().backend_tokenizer  # empty vocab; gives us CLIP's exact pre-processing
     words = Counter(
-        piece for line in _corpus()
+        piece for line in corpus()
         for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line))
     )
-    merges = _learn_bpe(words, num_merges)
+    merges = learn_bpe(words, num_merges)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     # Every byte both word-internal and word-final, so any text tokenizes without <unk>, like real CLIP.
     tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
@@ -106,10 +106,10 @@ def _clip_tokenizer(num_merges: int) -> CLIPTokenizerFast:
     return CLIPTokenizerFast(vocab=vocab, merges=merges, model_max_length=77)
 
 
-def _t5_tokenizer(max_length: int) -> T5TokenizerFast:
+def t5_tokenizer(max_length: int) -> T5TokenizerFast:
     """Sentencepiece-style Unigram with T5's special ids (<pad>=0, </s>=1, <unk>=2): whole corpus words
     scored by log-frequency, plus every printable ASCII char as a low-score fallback."""
-    words = Counter(w for line in _corpus() for w in re.findall(r"[a-z0-9]+", line))
+    words = Counter(w for line in corpus() for w in re.findall(r"[a-z0-9]+", line))
     total = sum(words.values())
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     pieces += [("\u2581" + w, round(math.log(n / total), 4)) for w, n in sorted(words.items())]
@@ -134,7 +134,7 @@ def build_tiny_flux(out_dir: str | Path, seed: int = 0, arch: dict | None = None
         raise ValueError(f"unknown arch keys: {sorted(unknown)}")
     a = {**DEFAULT_ARCH, **(arch or {})}
     out_dir = Path(out_dir)
-    tokenizer, tokenizer_2 = _clip_tokenizer(a["clip_num_merges"]), _t5_tokenizer(a["t5_max_length"])
+    tokenizer, tokenizer_2 = clip_tokenizer(a["clip_num_merges"]), t5_tokenizer(a["t5_max_length"])
 
     # One seed per component, drawn from a generator seeded with `seed`: changing one component's
     # sizes does not change the others' weights. fork_rng keeps the caller's global RNG intact.

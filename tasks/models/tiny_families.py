@@ -19,11 +19,11 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from tasks.models.tiny import _clip_tokenizer, _t5_tokenizer
+from tasks.models.tiny import clip_tokenizer, t5_tokenizer
 
 # Shared by all three families: AutoencoderKL with 4 blocks (vae_scale_factor 8, like the real models)
 # and the CLIP text tower(s). CLIP layers >= 2 because SD3/SDXL read the penultimate hidden state.
-_VAE_ARCH = {"latent_channels": 4, "vae_block_out_channels": (8, 16, 16, 16), "vae_layers_per_block": 1,
+VAE_ARCH = {"latent_channels": 4, "vae_block_out_channels": (8, 16, 16, 16), "vae_layers_per_block": 1,
              "vae_norm_num_groups": 8}
 _CLIP_ARCH = {"clip_hidden_size": 32, "clip_layers": 2, "clip_heads": 2, "clip_intermediate_size": 37,
               "clip_num_merges": 300}
@@ -32,7 +32,7 @@ SD3_ARCH: dict = {
     # SD3Transformer2DModel; joint_attention_dim = t5_d_model, pooled_projection_dim = sum of the CLIP projections
     "sample_size": 8, "patch_size": 2, "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 4,
     "caption_projection_dim": 32,
-    **_VAE_ARCH, **_CLIP_ARCH, "clip_projection_dim": 32, "clip_2_hidden_size": 32, "clip_2_projection_dim": 32,
+    **VAE_ARCH, **_CLIP_ARCH, "clip_projection_dim": 32, "clip_2_hidden_size": 32, "clip_2_projection_dim": 32,
     # T5EncoderModel (text_encoder_3)
     # d_model 64 = the two CLIP hidden sizes: SD3 zero-pads CLIP states to the T5 width, as in the real model
     # (a narrower T5 would truncate text_encoder_2's states away).
@@ -44,24 +44,24 @@ SDXL_ARCH: dict = {
     # clip_2_projection_dim (80: six add_time_ids, each sinusoidally embedded, plus the pooled text_embeds).
     "sample_size": 32, "block_out_channels": (32, 64), "layers_per_block": 2, "attention_head_dim": (2, 4),
     "transformer_layers_per_block": (1, 2), "addition_time_embed_dim": 8, "norm_num_groups": 32,
-    **_VAE_ARCH, **_CLIP_ARCH, "clip_2_hidden_size": 32, "clip_2_projection_dim": 32,
+    **VAE_ARCH, **_CLIP_ARCH, "clip_2_hidden_size": 32, "clip_2_projection_dim": 32,
 }
 SD15_ARCH: dict = {
     # UNet2DConditionModel; cross_attention_dim = clip_hidden_size (32). sample_size 8 -> 64 px by default.
     "sample_size": 8, "block_out_channels": (32, 64), "layers_per_block": 1, "attention_head_dim": 8,
     "norm_num_groups": 32,
-    **_VAE_ARCH, **_CLIP_ARCH,
+    **VAE_ARCH, **_CLIP_ARCH,
 }
 
 
-def _resolve(defaults: dict, arch: dict | None) -> dict:
+def resolve_arch(defaults: dict, arch: dict | None) -> dict:
     unknown = set(arch or {}) - set(defaults)
     if unknown:
         raise ValueError(f"unknown arch keys: {sorted(unknown)}")
     return {**defaults, **(arch or {})}
 
 
-def _seeder(seed: int, n: int):
+def seeder(seed: int, n: int):
     """Returns `seeded(i, build)`: runs `build` under component i's own seed (so resizing one component
     leaves the others' weights alone), inside fork_rng so the caller's global RNG is untouched."""
     seeds = torch.randint(0, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -96,7 +96,7 @@ def _clip(cls, a: dict, tokenizer, hidden_size: int, projection_dim: int):
 
 def _clip_tokenizer_2(a: dict):
     """SDXL's and SD3's second CLIP tokenizer pads with "!" (id of a byte token), not with <|endoftext|>."""
-    tokenizer = _clip_tokenizer(a["clip_num_merges"])
+    tokenizer = clip_tokenizer(a["clip_num_merges"])
     tokenizer.pad_token = "!"
     return tokenizer
 
@@ -119,10 +119,10 @@ def build_tiny_sd3(out_dir: str | Path, seed: int = 0, arch: dict | None = None)
     t5_d_model 64 keeps the real models' behaviour (diffusers' fast tests use 32, where the pad is
     negative and truncates text_encoder_2's states away).
     """
-    a = _resolve(SD3_ARCH, arch)
-    tokenizer, tokenizer_2, tokenizer_3 = (_clip_tokenizer(a["clip_num_merges"]), _clip_tokenizer_2(a),
-                                           _t5_tokenizer(a["t5_max_length"]))
-    seeded = _seeder(seed, 5)
+    a = resolve_arch(SD3_ARCH, arch)
+    tokenizer, tokenizer_2, tokenizer_3 = (clip_tokenizer(a["clip_num_merges"]), _clip_tokenizer_2(a),
+                                           t5_tokenizer(a["t5_max_length"]))
+    seeded = seeder(seed, 5)
     transformer = seeded(0, lambda: SD3Transformer2DModel(
         sample_size=a["sample_size"], patch_size=a["patch_size"], in_channels=a["latent_channels"],
         out_channels=a["latent_channels"], num_layers=a["num_layers"], attention_head_dim=a["attention_head_dim"],
@@ -159,9 +159,9 @@ def build_tiny_sdxl(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     CLIPTextModelWithProjection (clip_2_hidden_size, clip_2_projection_dim; other clip_* shared).
     The default UNet sample_size 32 means a 256 px default resolution: pass height/width (e.g. 64).
     """
-    a = _resolve(SDXL_ARCH, arch)
-    tokenizer, tokenizer_2 = _clip_tokenizer(a["clip_num_merges"]), _clip_tokenizer_2(a)
-    seeded = _seeder(seed, 4)
+    a = resolve_arch(SDXL_ARCH, arch)
+    tokenizer, tokenizer_2 = clip_tokenizer(a["clip_num_merges"]), _clip_tokenizer_2(a)
+    seeded = seeder(seed, 4)
     unet = seeded(0, lambda: UNet2DConditionModel(
         sample_size=a["sample_size"], in_channels=a["latent_channels"], out_channels=a["latent_channels"],
         block_out_channels=tuple(a["block_out_channels"]), layers_per_block=a["layers_per_block"],
@@ -197,9 +197,9 @@ def build_tiny_sd15(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     [= heads], norm_num_groups), VAE (latent_channels, vae_*), CLIPTextModel (clip_*). Defaults give
     64 px images.
     """
-    a = _resolve(SD15_ARCH, arch)
-    tokenizer = _clip_tokenizer(a["clip_num_merges"])
-    seeded = _seeder(seed, 3)
+    a = resolve_arch(SD15_ARCH, arch)
+    tokenizer = clip_tokenizer(a["clip_num_merges"])
+    seeded = seeder(seed, 3)
     n = len(a["block_out_channels"])
     unet = seeded(0, lambda: UNet2DConditionModel(
         sample_size=a["sample_size"], in_channels=a["latent_channels"], out_channels=a["latent_channels"],

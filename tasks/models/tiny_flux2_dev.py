@@ -18,8 +18,8 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tasks.models.tiny import _corpus, _learn_bpe
-from tasks.models.tiny_families import _resolve, _seeder
+from tasks.models.tiny import corpus, learn_bpe
+from tasks.models.tiny_families import resolve_arch, seeder
 from tasks.models.tiny_llm_families import FLUX2_ARCH, flux2_image_parts
 
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -63,9 +63,9 @@ def mistral_tokenizer(num_merges: int) -> PreTrainedTokenizerFast:
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     # FLUX.2's system message weighted in: its words become single tokens, as with the real vocabulary, so it
     # takes ~40 of the window's tokens and leaves the rest to the caption
-    lines = _corpus() + [SYSTEM_MESSAGE] * 40
+    lines = corpus() + [SYSTEM_MESSAGE] * 40
     words = Counter(piece for line in lines for piece, _ in pre.pre_tokenize_str(line))
-    merges = _learn_bpe(words, num_merges, suffix="")
+    merges = learn_bpe(words, num_merges, suffix="")
     tokens = MISTRAL_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges=merges))
     backend.pre_tokenizer, backend.decoder = pre, decoders.ByteLevel()
@@ -83,9 +83,9 @@ def build_tiny_flux2_dev(out_dir: str | Path, seed: int = 0, arch: dict | None =
     from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    a = _resolve(FLUX2_DEV_ARCH, arch)
+    a = resolve_arch(FLUX2_DEV_ARCH, arch)
     tokenizer = mistral_tokenizer(a["mistral_num_merges"])
-    seeded = _seeder(seed, 4)
+    seeded = seeder(seed, 4)
     transformer, vae, scheduler = flux2_image_parts(a, seeded, 3 * a["mistral_hidden_size"], guidance_embeds=True)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)

@@ -18,8 +18,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipe
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from tasks.models.tiny import _corpus, _learn_bpe
-from tasks.models.tiny_families import _resolve, _seeder, _VAE_ARCH
+from tasks.models.tiny import corpus, learn_bpe
+from tasks.models.tiny_families import resolve_arch, seeder, VAE_ARCH
 
 # Qwen3's chat template for what the pipelines render (one user turn + the generation prompt), with its
 # enable_thinking switch: the real template appends an empty think block when thinking is off.
@@ -37,9 +37,9 @@ def _qwen_tokenizer(num_merges: int, chat_template: str = QWEN3_CHAT_TEMPLATE) -
     """Byte-level BPE with Qwen2's pre-tokenizer (GPT-2 style, no end-of-word marker), Qwen's special
     tokens (<|endoftext|> = pad/unk, <|im_start|>, <|im_end|> = eos) and a chat template."""
     backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer  # Qwen's pre-processing
-    words = Counter(piece for line in _corpus()
+    words = Counter(piece for line in corpus()
                     for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
-    merges = _learn_bpe(words, num_merges, suffix="")
+    merges = learn_bpe(words, num_merges, suffix="")
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + _QWEN_SPECIALS
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
     # Qwen3's: eos <|im_end|> (the end of a chat turn, also its model config's eos), pad <|endoftext|>
@@ -53,7 +53,7 @@ ZIMAGE_ARCH: dict = {
     # ZImageTransformer2DModel; cap_feat_dim = qwen_hidden_size; axes_dims sum to dim / n_heads
     "dim": 32, "n_layers": 1, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "axes_dims": (4, 6, 6),
     "axes_lens": (1536, 512, 512),  # Z-Image-Turbo's
-    **_VAE_ARCH,
+    **VAE_ARCH,
     # Qwen3Model (Z-Image reads the hidden states before the last layer: layers >= 2)
     "qwen_hidden_size": 32, "qwen_layers": 2, "qwen_heads": 2, "qwen_kv_heads": 1, "qwen_head_dim": 16,
     "qwen_intermediate_size": 37, "qwen_num_merges": 300,
@@ -78,9 +78,9 @@ def build_tiny_zimage(out_dir: str | Path, seed: int = 0, arch: dict | None = No
     (qwen_*). Images are multiples of 16 px (VAE /8, then 2x2 patches); call with e.g. height/width 64 and
     `max_sequence_length=32`.
     """
-    a = _resolve(ZIMAGE_ARCH, arch)
+    a = resolve_arch(ZIMAGE_ARCH, arch)
     tokenizer = _qwen_tokenizer(a["qwen_num_merges"])
-    seeded = _seeder(seed, 3)
+    seeded = seeder(seed, 3)
     transformer = seeded(0, lambda: ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=a["latent_channels"], dim=a["dim"],
         n_layers=a["n_layers"], n_refiner_layers=a["n_refiner_layers"], n_heads=a["n_heads"],
@@ -123,10 +123,10 @@ QWEN25VL_CHAT_TEMPLATE = (
 def _qwen25vl_tokenizer(num_merges: int) -> Qwen2Tokenizer:
     """Qwen2.5-VL's layout: byte-level BPE, <|endoftext|> pad, <|im_end|> eos, the vision specials."""
     backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer
-    lines = _corpus() + [QWENIMAGE_SYSTEM, "system", "user", "assistant"] * 40  # role names start a line
+    lines = corpus() + [QWENIMAGE_SYSTEM, "system", "user", "assistant"] * 40  # role names start a line
     words = Counter(piece for line in lines
                     for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
-    merges = _learn_bpe(words, num_merges, suffix="")
+    merges = learn_bpe(words, num_merges, suffix="")
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + _QWEN25VL_SPECIALS
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, padding_side="right",
@@ -157,10 +157,10 @@ def build_tiny_qwenimage(out_dir: str | Path, seed: int = 0, arch: dict | None =
     from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    a = _resolve(QWENIMAGE_ARCH, arch)
+    a = resolve_arch(QWENIMAGE_ARCH, arch)
     tokenizer = _qwen25vl_tokenizer(a["qwen_num_merges"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN25VL_SPECIALS}
-    seeded = _seeder(seed, 3)
+    seeded = seeder(seed, 3)
     transformer = seeded(0, lambda: QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * a["z_dim"], out_channels=a["z_dim"], num_layers=a["num_layers"],
         attention_head_dim=a["attention_head_dim"], num_attention_heads=a["num_attention_heads"],
@@ -253,9 +253,9 @@ def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
     from diffusers import Flux2KleinPipeline
     from transformers import Qwen3ForCausalLM
 
-    a = _resolve(FLUX2_ARCH, arch)
+    a = resolve_arch(FLUX2_ARCH, arch)
     tokenizer = _qwen_tokenizer(a["qwen_num_merges"])
-    seeded = _seeder(seed, 4)
+    seeded = seeder(seed, 4)
     transformer, vae, scheduler = flux2_image_parts(a, seeded, 3 * a["qwen_hidden_size"], guidance_embeds=False)
     text_encoder = seeded(2, lambda: Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=a["qwen_hidden_size"], intermediate_size=a["qwen_intermediate_size"],

@@ -57,10 +57,10 @@ class EntryIndex:
         except FileNotFoundError:
             return {}
         except (ValueError, KeyError, TypeError) as e:
-            from tasks.store.store import _note_repair
+            from tasks.store.repairs import note_repair
 
             log.warning("store index %s is unreadable (%s): its entries are verified again", path, e)
-            _note_repair(f"index/{self.kind}/{shard}")
+            note_repair(f"index/{self.kind}/{shard}")
             return {}
 
     def _known(self, key: str) -> list | None:

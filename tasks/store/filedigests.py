@@ -13,7 +13,7 @@ _REHASHED: set[Path] = set()  # files digested again in this process under store
 
 
 def memo_digest(store, path: Path, min_size: int) -> str:
-    from tasks.store.store import _note_repair
+    from tasks.store.repairs import note_repair
 
     st = path.stat()
     if st.st_size < min_size:
@@ -33,7 +33,7 @@ def memo_digest(store, path: Path, min_size: int) -> str:
             pass
         except (ValueError, UnicodeDecodeError):
             log.warning("file digest memo %s is corrupt: digesting %s again", memo, path)
-            _note_repair(f"filedigests/{memo.stem}")
+            note_repair(f"filedigests/{memo.stem}")
     digest = digest_file(path)
     store._write_small(memo, f"{digest} {digest_text(digest)[:16]}\n".encode(), f"a digest memo for {path}")
     return digest

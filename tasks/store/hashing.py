@@ -36,6 +36,11 @@ def key_of(inputs: Mapping[str, Any]) -> str:
     return digest_text(canonical_json(inputs))
 
 
+def key_int(*parts) -> int:
+    """A seed from named parts (seed, step, position, ...): the first 60 bits of their key."""
+    return int(key_of(list(parts))[:15], 16)
+
+
 def key_of_hex(parts) -> str:
     """key_of(list(parts)) for parts that are hex digests, without json.dumps: the same key, about ten times
     faster (the train node's key names 100,000 items by two such lists each)."""

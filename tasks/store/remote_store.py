@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from tasks.store.hashing import key_of
-from tasks.store import MANIFEST, Store
+from tasks.store import MANIFEST, Store, StoreBackendMissing
 
 
 def is_url(root: str) -> bool:
@@ -40,9 +40,6 @@ def open_store(store_cfg: dict) -> Store:
     return store
 
 
-from tasks.config import ConfigError  # noqa: E402  (a missing backend is a user error: exit 2)
-
-
 class RemoteStore(Store):
     """A local store mirrored to an fsspec URL (pull on first read, push after each write)."""
 
@@ -54,7 +51,7 @@ class RemoteStore(Store):
         try:
             self.fs, self.base = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:  # e.g. s3:// without s3fs installed
-            raise ConfigError(f"store.root={url!r}: {e}. Install the fsspec backend for this protocol "
+            raise StoreBackendMissing(f"store.root={url!r}: {e}. Install the fsspec backend for this protocol "
                              f"(s3fs for s3://, gcsfs for gs://, adlfs for az://) or use a local folder") from e
 
     def _remote(self, kind: str, key: str) -> str:

@@ -17,12 +17,12 @@ import logging
 import os
 import shutil
 import tempfile
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
 from tasks.store import debris, formats
 from tasks.store.entry_index import EntryIndex
+from tasks.store.repairs import note_repair
 from tasks.store.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
 from tasks.lazy import lazy
 
@@ -32,21 +32,6 @@ st = lazy("safetensors.torch")
 MANIFEST = "manifest.json"
 _MANIFEST_FIELDS = {"kind", "key", "file", "sha256", "size", "meta"}
 log = logging.getLogger("loraflow")
-_REPAIRS: ContextVar[list[str] | None] = ContextVar("loraflow_repairs", default=None)
-
-
-def track_repairs() -> list[str]:
-    """From now on in this context (a flow run and the tasks it calls), every corrupt entry, run record or
-    digest memo that is discarded is appended to the returned list as "kind/key"."""
-    repairs: list[str] = []
-    _REPAIRS.set(repairs)
-    return repairs
-
-
-def _note_repair(what: str) -> None:
-    repairs = _REPAIRS.get()
-    if repairs is not None and what not in repairs:
-        repairs.append(what)
 
 
 def _digest(data: Path) -> str:
@@ -62,6 +47,10 @@ def _size(data: Path) -> int:
 
 class CorruptArtifact(Exception):
     """A stored entry failed verification; callers recompute it."""
+
+
+class StoreBackendMissing(ValueError):
+    """store.root is a URL whose fsspec backend is not installed (s3fs, gcsfs, adlfs): the user's to fix."""
 
 
 class StoreFull(OSError):
@@ -239,7 +228,7 @@ class Store:
         except FileNotFoundError as e:
             raise CorruptArtifact(f"{path}: missing") from e
         if digest_bytes(data) != key:
-            _note_repair(f"flowstate/{area}/{key}")
+            note_repair(f"flowstate/{area}/{key}")
             path.unlink(missing_ok=True)
             raise CorruptArtifact(f"{path}: content does not match its name")
         return json.loads(data)
@@ -341,7 +330,7 @@ class Store:
         except FileNotFoundError:
             return
         shutil.rmtree(trash, ignore_errors=True)
-        _note_repair(f"{entry.parent.parent.name}/{entry.name}")
+        note_repair(f"{entry.parent.parent.name}/{entry.name}")
 
     def discard(self, kind: str, key: str) -> None:
         self._discard(self.entry_dir(kind, key))
@@ -387,7 +376,7 @@ class Store:
             return None
         except ValueError as e:
             log.warning("run record %s is corrupt (%s): treated as no previous run", path, e)
-            _note_repair(f"runs/{name}")
+            note_repair(f"runs/{name}")
             return None
 
     # -- digests of big files (model weights), remembered by path, size, mtime and inode like DVC does ---

@@ -1,8 +1,8 @@
 """Multi-process training: the train node under `accelerate launch` (data parallel).
 
 The node (parent) writes the job as JSON, starts `accelerate launch --multi_gpu --num_processes N -m
-tasks.training.distributed <job.json>` and relays the processes' output to its log. Each process runs the same
-`train.train_lora`, which splits every step's batch across them; the main process writes the LoRA and a
+tasks.train <job.json>` and relays the processes' output to its log. Each process runs the same
+`train.train_lora` (through `run_worker`), which splits every step's batch across them; the main process writes the LoRA and a
 result JSON into the job's folder. Nothing crosses the process boundary as a pickle.
 
 accelerate's multi-process launcher is torchrun: with CUDA each process takes one GPU (nccl); without
@@ -20,6 +20,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("loraflow")
 RESULT = "result.json"
@@ -41,7 +42,7 @@ def launch_command(job_file: Path, tc: dict, mixed_precision: str) -> list[str]:
             "--num_processes", str(tc["num_processes"]), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
             "--main_process_ip", (tc.get("main_process_ip") or "127.0.0.1") if not one else "127.0.0.1",
             "--main_process_port", str(tc.get("main_process_port") or _free_port()) if not one else str(_free_port()),
-            "-m", "tasks.training.distributed", str(job_file)]
+            "-m", "tasks.train", str(job_file)]
 
 
 def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: float = 1.0) -> None:
@@ -99,21 +100,18 @@ def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, o
     return result
 
 
-def _worker(job_file: str) -> None:
-    from tasks import train
+def run_worker(job_file: str, train_lora: Callable[..., dict | None]) -> None:
+    """One process of `accelerate launch`: runs `train_lora` (tasks/train.py's loop, handed over by the
+    module the launcher runs, so that this module never imports the node) on the job the parent wrote."""
     from tasks.store.remote_store import open_store
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     job = json.loads(Path(job_file).read_text())
     store = open_store(job["cfg"]["store"])
     out_dir = Path(job["out_dir"])
-    out = train.train_lora(job["cfg"], job["plan"], store, job["latent_keys"], job["text_keys"], out_dir,
+    out = train_lora(job["cfg"], job["plan"], store, job["latent_keys"], job["text_keys"], out_dir,
                            job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
     if out is not None:  # the main process
         tmp = out_dir / f".{RESULT}.tmp"
         tmp.write_text(json.dumps({**out, "lora": str(out["lora"])}))
         os.replace(tmp, out_dir / RESULT)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

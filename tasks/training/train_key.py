@@ -22,6 +22,7 @@ _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port", 
             "validate_every_n_steps")
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
+CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
              ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
              ("prior_loss_weight", 1.0), ("ema_decay", None), ("text_encoder_lr", None))
@@ -31,8 +32,6 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
 
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
-    from tasks.train import CODE_VERSION  # the node's version lives with the node (tests bump it there)
-
     held = set(plan.get("validation_items", []))  # data.validation_split: scored, never trained
 
     texts_of, live = cache_text.caption_texts_of(cfg), {}

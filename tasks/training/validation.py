@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from tasks.config import ConfigError
-from tasks.store.hashing import key_of
+from tasks.store.hashing import key_int, key_of
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -38,7 +38,6 @@ def held_out(items: list[dict], split: float) -> list[str]:
 
 def generators(name: str, draws: int = DRAWS) -> list[torch.Generator]:
     """The fixed generators of a held-out item: independent of the training seed and step."""
-    from tasks.train import key_int
 
     return [torch.Generator("cpu").manual_seed(key_int(VALIDATION_SEED, name, k)) for k in range(draws)]
 
