@@ -1,3 +1,6 @@
+"""The Prefect side: the flow (train.py: the DAG), its @task shells (nodes.py), the Hydra CLI (cli.py), the Dask
+runner (runner.py, shards.py), sweeps, artifacts, logs, signals and exit codes. Imports tasks/; tasks/ never
+imports it (tests/test_imports.py). Importing this package sets Prefect's defaults below."""
 import os
 
 # Our modules log to "loraflow"; let Prefect show those lines in its console and UI.

@@ -81,7 +81,7 @@ def test_deployments_run_on_a_worker(tmp_path):
                               headers={"Authorization": "Basic d3Jvbmc="}).status_code in (401, 403)
         assert server.request("POST", "/flows/filter").status_code == 200
 
-        # --- pool, deployments, worker: the commands the README gives ---------------------------------
+        # --- pool, deployments, worker: the commands docs/prefect.md gives ---------------------------------
         server.cli("work-pool", "create", POOL, "--type", "process")
         clock("auth checks, work-pool create")
         server.cli("deploy", "--all", "--prefect-file", "deploy/prefect.yaml")

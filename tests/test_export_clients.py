@@ -1,4 +1,4 @@
-"""The README's "loads in" table, client by client, for the clients that cannot run here (ComfyUI, sd-scripts):
+"""docs/lora-files.md's "loads in" table, client by client, for the clients that cannot run here (ComfyUI, sd-scripts):
 their key mapping and scale rule are mirrored below (file and function cited), every key of our files must map
 to a real module of the family's model, and merging must give the trained LoRA's effect. diffusers' own loader
 runs for real. Pinned: ComfyUI 0.3.64 (comfy/lora.py, comfy/weight_adapter/lora.py), sd-scripts main 2026-02.
@@ -80,11 +80,11 @@ def test_diffusers_file_bakes_alpha_for_every_loader(family, model_dirs, tmp_pat
     bound = render_sums(pipe, steps=2)  # images in [0, 1]: magnitude 1
     assert_close(_render(pipe), ref, magnitude=1.0, **bound, what=f"{family} diffusers")
 
-    pipe = _load(model_dir)  # ComfyUI's rule, where its key map reads our keys (see the README's table)
+    pipe = _load(model_dir)  # ComfyUI's rule, where its key map reads our keys (see docs/lora-files.md's table)
     linears = _linears(pipe)
     key_map = comfyui_transformer_key_map(family, linears) if family in ("flux", "sd3") else comfyui_unet_key_map(linears)
     modules = {comfyui_lora_key(k) for k in baked}
-    if family in ("sdxl", "sd15"):  # `unet.<name>.to_k` is no ComfyUI key: the README sends ComfyUI to kohya
+    if family in ("sdxl", "sd15"):  # `unet.<name>.to_k` is no ComfyUI key: docs/lora-files.md sends ComfyUI to kohya
         assert not modules & set(key_map)
         return
     assert modules <= set(key_map)

@@ -1,7 +1,7 @@
 """train.num_processes=2: the train node under `accelerate launch`, two CPU processes in a gloo group,
 against one process at the same global batch, for every family.
 
-What is promised, and why (README, "Several processes"): the two runs do the same maths in another order.
+What is promised, and why (docs/training.md, "Several processes"): the two runs do the same maths in another order.
 Each process runs half the batch (CPU kernels are not batch-invariant) and the gradients are summed across
 processes, not within one matrix product. So each step's loss agrees to the rounding of a mean over the
 batch's latents, growing with the steps taken (tests/tolerance.py `rounding`); the LoRA weights agree to

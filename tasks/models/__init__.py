@@ -1,4 +1,6 @@
-"""Model families: one adapter module each; this module picks one and finds the model's files."""
+"""Model families: one adapter module each (base.py is the interface; flow_matching, unet, flux2 and losses are
+shared), the tiny builders, and LoRA on the text encoders; this module picks an adapter and finds the model's
+files. May import tasks.store, tasks.data, tasks.config and tasks.runtime; never training or a node."""
 from __future__ import annotations
 
 import importlib
