@@ -18,6 +18,29 @@ import flows  # noqa: E402,F401  (its Prefect defaults: no start-up telemetry, l
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+_MIGRATED: Path | None = None  # a Prefect database at the schema's head, made once per test process
+
+
+def prefect_home(path: Path) -> str:
+    """A new PREFECT_HOME for a CLI run's own temporary API: empty but for a database already migrated (a
+    copy of one made once per test process). Each run still gets its own database, as a user's first run
+    does; it only skips migrating it again, about 4 s of CPU a run."""
+    global _MIGRATED
+    import subprocess
+    import sys
+
+    if _MIGRATED is None:
+        template = Path(tempfile.mkdtemp(prefix="loraflow-prefect-migrated-"))
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(template)}
+        subprocess.run([str(Path(sys.executable).with_name("prefect")), "--no-prompt", "server", "database",
+                        "upgrade", "-y"], env=env, check=True, capture_output=True, timeout=300)
+        _MIGRATED = template
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("prefect.db", "prefect.db-wal"):
+        if (_MIGRATED / name).exists() and not (path / name).exists():
+            shutil.copyfile(_MIGRATED / name, path / name)
+    return str(path)
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
 
 

@@ -7,12 +7,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from conftest import prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli(args, cwd, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)  # the CLI starts its own ephemeral API, as `make run` does
     return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=600)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import prefect_home
 
 try:
     import tomllib
@@ -230,7 +231,7 @@ def _run(program: list[str], flags: list[str], overrides: list[str], sandbox: Pa
             swapped.append(o)
     args = [*program, *flags, *swapped, f"store.root={sandbox / 'store'}", f"hydra.run.dir={sandbox / 'run'}"]
     if tuple(args) not in _RAN:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(sandbox / "prefect-home")}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(sandbox / "prefect-home")}
         for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING"):
             env.pop(name, None)
         proc = subprocess.run(args, cwd=REPO, env=env, text=True, capture_output=True, timeout=300)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FAST
+from conftest import FAST, prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 N_IMAGES, N_PROMPTS = 12, 3
@@ -58,7 +58,7 @@ def test_explain_predicts_the_run(workspace):
 
 
 def _explain_cli(args, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     return subprocess.run([sys.executable, "-m", "flows.explain", *args], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=300)
 

@@ -19,6 +19,7 @@ from tasks import config as config_mod
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
 from tasks.validate import config_errors
+from conftest import prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
@@ -302,7 +303,7 @@ def cli_runs(tmp_path_factory):
     started = {}
     for name, (overrides, _) in CLI_CASES.items():
         tmp = tmp_path_factory.mktemp(name)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp / "prefect-home")}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp / "prefect-home")}
         started[name] = tmp, subprocess.Popen(
             [sys.executable, "-m", "flows.train", *overrides, f"hydra.run.dir={tmp / 'run'}", f"store.root={tmp / 'store'}"],
             cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -10,11 +10,11 @@ import sys
 
 import yaml
 
-from conftest import REPO
+from conftest import REPO, prefect_home
 
 
 def _sweep(tmp_path, name):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run([sys.executable, "-m", "flows.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
                            "hydra.sweeper.n_jobs=1", "train.lr=interval(0.0005,0.005)", "train.max_steps=4",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import prefect_home
 from faults import KILL_AT, OVERRIDES, REPO, child, debris, entries, pipeline, snapshot
 from tasks.store.hashing import digest_file
 from tasks.store import Store
@@ -69,13 +70,13 @@ _CLI_CHILD = KILL_AT + "import runpy\nsys.argv = ['flows.train', *sys.argv[3:]]\
                        "runpy.run_module('flows.train', run_name='__main__', alter_sys=True)\n"
 
 
-def _servers_of(prefect_home: str) -> list[int]:
+def _servers_of(home: str) -> list[int]:
     """Live uvicorn processes started with this PREFECT_HOME (Linux /proc)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and b"uvicorn" in (proc / "cmdline").read_bytes() and \
-                    f"PREFECT_HOME={prefect_home}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    f"PREFECT_HOME={home}".encode() in (proc / "environ").read_bytes().split(b"\0") and \
                     (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
                 pids.append(int(proc.name))
         except OSError:
@@ -88,7 +89,7 @@ def test_cli_killed_mid_training_then_rerun(reference, prefect_api, tmp_path):
 
     _, ref_bytes = reference
     root = tmp_path / "store"
-    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": None}  # its own ephemeral API
+    env = {"PREFECT_HOME": prefect_home(tmp_path / "prefect-home"), "PREFECT_API_URL": None}  # its own ephemeral API
     proc = child(_CLI_CHILD, "checkpoints", 2, f"store.root={root}", f"hydra.run.dir={tmp_path / 'run1'}",
                  *OVERRIDES, env=env, timeout=400)
     assert proc.returncode == -9, proc.stderr[-3000:]

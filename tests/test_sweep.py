@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from conftest import prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,7 @@ def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
     data, prompts, sweep = tmp_path / "data", tmp_path / "prompts.txt", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", data)
     shutil.copyfile(REPO / "data" / "demo_prompts.txt", prompts)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)  # one process, one ephemeral API for every member
     proc = subprocess.run(
         [sys.executable, "-m", "flows.train", "-m", "train.lr=1e-3,2e-3", f"data.dir={data}",
@@ -53,7 +54,7 @@ def test_sweep_with_a_failing_member_summarises_it_and_exits_non_zero(tmp_path):
     the summary lists it as failed with its error, and the sweep exits non-zero with one line, no traceback."""
     good, missing, sweep = tmp_path / "good", tmp_path / "missing", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", good)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
         [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{good}", f"store.root={tmp_path / 'store'}",

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["train.max_steps=300", "train.log_every=1", "sample.steps=2"]
 
 
 def _env(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     return env
 
