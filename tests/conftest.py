@@ -44,6 +44,19 @@ def prefect_home(path: Path) -> str:
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
 
 
+# The longest files (measured, --durations), started first: `make test` hands whole files to 3 workers, and a
+# long file picked up last keeps one worker busy while the others are done (longest first: an even finish).
+LONGEST_FIRST = ["test_terminal.py", "test_multiprocess.py", "test_multinode.py", "test_parallel_sweep.py",
+                 "test_deploy.py", "test_cancel.py", "test_schedule.py", "test_prefect_launcher.py", "test_sweep.py",
+                 "test_fp8_base.py", "test_reliability_kill.py", "test_flux2_dev.py", "test_runner_dask.py",
+                 "test_optuna_sweep.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_report_header(config):
     """Which CPU kernels the numbers come from: `make test` forces AVX2 (ATEN_CPU_CAPABILITY), then reruns the
     `numerics` tests on this machine's own."""
