@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -19,9 +20,8 @@ from tasks import cache_latents, cache_text
 from tasks.training import checkpoint_samples, checkpoints, interrupt, validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.training.checkpoint_samples import CheckpointSampler, to_tensorboard
-from tasks.training.checkpoints import checkpoint_key, latest_checkpoint
-from tasks.training.checkpoints import load_checkpoint as _load_checkpoint
-from tasks.training.checkpoints import save_checkpoint as _save_checkpoint
+from tasks.training.checkpoints import checkpoint_key, latest_checkpoint, load_checkpoint as _load_checkpoint
+from tasks.training.checkpoints import save_checkpoint as _save_checkpoint  # tests wrap it to fail after a save
 from tasks.store.formats import canonicalize_safetensors
 from tasks.store.hashing import key_int, key_of
 from tasks.items import check_items, node_result, prefetch
@@ -396,8 +396,5 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
 
 
 if __name__ == "__main__":  # one process of `accelerate launch` (train.num_processes; tasks/training/distributed.py)
-    import sys
-
     from tasks.training.distributed import run_worker
-
     run_worker(sys.argv[1], train_lora)
