@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The demo: a LoRA teaches the pretrained demo base a new shape; samples/before_after.png shows it (docs/learning.md)
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m flows.train
+	HF_HUB_OFFLINE=1 $(PY) -m flows.train experiment=demo
 
 # The suite runs on the AVX2 kernels whatever this CPU has (torch's ATen, oneDNN and MKL each pick kernels by CPU
 # features): its numbers must hold on an AVX2-only CPU, the commonest in the cloud, not just on this one. The

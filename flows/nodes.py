@@ -13,7 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import sample_point_artifact
-from tasks import cache_latents, cache_text, sample, train, validate
+from tasks import cache_latents, cache_text, learning, sample, train, validate
 from tasks.store.hashing import key_of
 from tasks.store.remote_store import open_store
 
@@ -91,3 +91,9 @@ def sample_task(key: str, cfg: dict, plan: str, lora: str, texts: str) -> dict:
     trained = load(store, RESULTS, lora)
     return _kept(store, sample.run(cfg, load(store, PLANS, plan), store, trained["key"], trained["lora"],
                                  load(store, RESULTS, texts)["items"]))
+
+
+@task(name="learning", cache_policy=NO_CACHE, persist_result=False)
+def learning_task(cfg: dict, model_dir: str, lora_file: str, run_dir: str) -> dict:
+    # learning.scorer (the demo): base vs LoRA on the generated world's prompts; renders a few dozen tiny images.
+    return learning.run(cfg, Path(model_dir), Path(lora_file), Path(run_dir))

@@ -1,7 +1,7 @@
 """loraflow's training flow: the DAG, node after node.
 
     validate ─┬─> cache_latents ─┐
-              └─> cache_text ────┴─> train ──> sample ──> publish ──> report.json
+              └─> cache_text ────┴─> train ──> sample ──> publish ──> [learning] ──> report.json
 
 CLI:        python -m flows.train [hydra overrides]      (-m for sweeps; the Hydra app is flows/cli.py)
 Deployment: train_flow(config_name="train", overrides=[...]) composes with Hydra's compose API.
@@ -17,8 +17,8 @@ from prefect import flow
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
-from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, load, sample_task, train_task,
-                         validate_task)
+from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, learning_task, load, sample_task,
+                         train_task, validate_task)
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.training import interrupt
 from tasks.training.checkpoint_samples import all_valid
@@ -106,6 +106,10 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = assemble(config_name, results, previous, plan, lora, texts, artifacts, run_dir, repaired)
+    if cfg["learning"]["scorer"]:  # the demo: base vs LoRA, scored (samples/before_after.png)
+        report["learning"] = learning_task(cfg, plan["model_dir"], artifacts["lora_files"].get("diffusers")
+                                           or artifacts["lora"], str(run_dir))
+        report["artifacts"]["before_after"] = report["learning"].pop("before_after")
     path = write_report(run_dir, report)
     publish_artifacts(report, path)
     inputs = {n: r["inputs"] for n, r in results.items()}

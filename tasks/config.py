@@ -203,6 +203,19 @@ class RunnerConfig:
 
 
 @dataclass
+class LearningConfig:
+    # The demo's learning score (tasks/learning.py): base vs LoRA on the generated world's prompts, into the
+    # report's `learning` and samples/before_after.png. null: off (experiment=demo turns it on).
+    scorer: Optional[str] = None  # shapes: tasks/demo (the world of data/demo_base and data/demo_concept)
+    concept_prompts: int = 16  # prompts of the taught concept, spread over the world's colour pairs
+    kept_prompts: int = 16  # prompts of what the base already knew
+    seeds: List[int] = field(default_factory=lambda: [0])
+    steps: int = 20
+    guidance: float = 1.0
+    max_sequence_length: int = 32
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -212,6 +225,7 @@ class RootConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
 
 
 def register() -> None:
@@ -289,6 +303,8 @@ def check_known_keys(overrides: List[str]) -> None:
     for o in parsed:
         key = o.key_or_group
         if o.package is not None or "/" in key or key.split(".")[0] == "hydra" or key in keys:
+            continue
+        if key == "experiment" and (REPO / "conf" / "experiment").is_dir():  # a config group with no key of its own
             continue
         if any(key.startswith(section + ".") for section in open_sections):
             continue

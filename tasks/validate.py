@@ -32,7 +32,7 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
             ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),
-            ("train", "network"): ("lora", "dora", "loha", "lokr")}
+            ("train", "network"): ("lora", "dora", "loha", "lokr"), ("learning", "scorer"): (None, "shapes")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
              ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
@@ -42,7 +42,8 @@ def check_config(cfg: dict) -> list[str]:
     errors = []
     for (section, key), allowed in _CHOICES.items():
         if cfg[section][key] not in allowed:
-            errors.append(f"{section}.{key}={cfg[section][key]!r}: choose one of {', '.join(allowed)}")
+            errors.append(f"{section}.{key}={cfg[section][key]!r}: choose one of "
+                          f"{', '.join('null' if a is None else a for a in allowed)}")
     for section, key in _POSITIVE:
         if not cfg[section][key] > 0:
             errors.append(f"{section}.{key}={cfg[section][key]!r}: must be greater than 0")

@@ -16,6 +16,7 @@ PACKAGES = ("tasks", "flows", "hydra_plugins")
 # Read top down: each layer may import only layers below it.
 LAYERS = {
     "tasks.store": (),  # content-addressed entries, keys, bookkeeping: nothing else of the project
+    "tasks.demo": (),  # the demo's generated world and its scorer: numpy and PIL only
     "tasks.data": ("tasks.store", "tasks.config"),  # what goes in: images, captions, prompts, augmentation
     "tasks.models": ("tasks.store", "tasks.config", "tasks.runtime", "tasks.data"),  # one adapter per family
     # the train node's parts; never tasks.train. The samples rendered during training are the sample node's

@@ -125,6 +125,19 @@ def _check_family(family: str) -> str:
     return family
 
 
+def kohya_rows(family: str, module_names) -> dict[str, list[str]]:
+    """kohya module (without `lora_unet_`) -> the diffusers Linears of `module_names` that are its row blocks, in
+    order (q, k, v(, mlp)): what a loader merging a kohya file onto a diffusers model needs (ComfyUI's
+    flux_to_diffusers map, read backwards). Families with `_RULES` only."""
+    rows: dict[str, dict[int, str]] = {}
+    for module in module_names:
+        for pattern, name, size in _RULES[_check_family(family)]:
+            if m := re.fullmatch(pattern, module):
+                rows.setdefault(name.format(*m.groups()[:1]), {})[_SLOT[m.group(2)] if size > 1 else 0] = module
+                break
+    return {name: [slots[i] for i in sorted(slots)] for name, slots in rows.items()}
+
+
 def _pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """PEFT `x.lora_A.weight`/`x.lora_B.weight` -> {x: (A, B)}; anything else (DoRA, lora bias) is refused."""
     out = {}

@@ -1,0 +1,130 @@
+"""Mutations of loraflow that each train a falling loss yet a wrong LoRA (issue 29): the learning check
+(bench/learns.py) must catch every one. Training mutations are monkeypatched into loraflow's own code for one
+run; file mutations edit an exported file as a faulty exporter would have written it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import tasks.models.flow_matching as flow_matching
+import tasks.models.unet as unet
+
+# The modules whose training_loss calls noise_latents / weighted_loss (imported by name, so patched there).
+FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2")
+
+
+def _flow_modules():
+    import importlib
+
+    return [importlib.import_module(f"tasks.models.{m}") for m in FLOW_MODULES]
+
+
+def sign_flipped(monkeypatch, family: str) -> None:
+    """The training target's sign: x0 - noise for a velocity, -noise for an epsilon."""
+    if family in ("sd15", "sdxl"):
+        real = unet.ddpm_loss
+        monkeypatch.setattr(unet, "ddpm_loss", lambda pred, target, *a, **k: real(pred, -target, *a, **k))
+        return
+    real = flow_matching.weighted_loss
+    for m in _flow_modules():
+        monkeypatch.setattr(m, "weighted_loss", lambda pred, target, *a, **k: real(pred, -target, *a, **k))
+
+
+def _timesteps(monkeypatch, family: str, change) -> None:
+    """The denoiser is told `change(t)` where t (0..num_train_timesteps) is the noise level it is given."""
+    if family in ("sd15", "sdxl"):
+        real = unet.UNetAdapter.training_loss
+
+        def loss(self, denoiser, *a, **k):
+            def told(noisy, t, *rest, **kw):
+                return denoiser(noisy, change(t.float(), 1000), *rest, **kw)
+            told.dtype, told.device = denoiser.dtype, denoiser.device
+            return real(self, told, *a, **k)
+
+        monkeypatch.setattr(unet.UNetAdapter, "training_loss", loss)
+        return
+    real = flow_matching.noise_latents
+
+    def noise_latents(latents, train_cfg, scheduler, generators):
+        noisy, noise, t, sigmas = real(latents, train_cfg, scheduler, generators)
+        return noisy, noise, change(t, scheduler.config.num_train_timesteps), sigmas
+
+    for m in _flow_modules():
+        monkeypatch.setattr(m, "noise_latents", noise_latents)
+
+
+def timestep_reversed(monkeypatch, family: str) -> None:
+    """t vs 1-t: the noise level the model is told is the opposite of the one it sees."""
+    _timesteps(monkeypatch, family, lambda t, n: n - t)
+
+
+def timestep_unscaled(monkeypatch, family: str) -> None:
+    """A missing 1000x: the model is told t / 1000 (a 0..1 convention fed to a 0..1000 model)."""
+    _timesteps(monkeypatch, family, lambda t, n: t / n)
+
+
+def latent_scale_dropped(monkeypatch, family: str) -> None:
+    """The cache forgets the VAE's latent normalisation: scaling/shift factors (Flux, SD3, Z-Image, SD),
+    latents_mean/std (Qwen-Image), the batch-norm statistics (FLUX.2)."""
+    from tasks.models import adapter_class
+
+    cls = adapter_class(family)
+    real = cls.load_vae
+
+    def load_vae(self):
+        vae = real(self)
+        c = vae.config
+        if hasattr(vae, "bn"):  # FLUX.2
+            with torch.no_grad():
+                vae.bn.running_mean.zero_()
+                vae.bn.running_var.fill_(1.0 - c.batch_norm_eps)
+        elif c.get("latents_mean") is not None:
+            vae.register_to_config(latents_mean=[0.0] * len(c.latents_mean), latents_std=[1.0] * len(c.latents_std))
+        else:
+            vae.register_to_config(scaling_factor=1.0, shift_factor=0.0 if c.get("shift_factor") is not None else None)
+        return vae
+
+    monkeypatch.setattr(cls, "load_vae", load_vae)
+
+
+TRAINING = {"sign": sign_flipped, "timestep_reversed": timestep_reversed, "timestep_unscaled": timestep_unscaled,
+            "latent_scale": latent_scale_dropped}
+
+
+# -- file mutations ---------------------------------------------------------------------------------------
+_BLOCK = re.compile(r"((?:^|[._])(?:[a-z]+_)?(?:blocks|layers)[._]\d+[._])")
+
+
+def misnamed_block(src: Path, dst: Path) -> int:
+    """One block's keys misnamed (the block holding most LoRA modules: `..blocks.0.` -> `..blocks.0x.`), as
+    an exporter with a wrong name rule writes them; returns how many tensors were renamed."""
+    tensors = load_file(str(src))
+    blocks = [m.group(1) for k in tensors if (m := _BLOCK.search(k))]
+    block = max(sorted(set(blocks)), key=blocks.count)
+    out = {(k.replace(block, block[:-1] + "x" + block[-1], 1) if block in k else k): v for k, v in tensors.items()}
+    save_file(out, str(dst), metadata=_metadata(src))
+    return blocks.count(block)
+
+
+def scale_halved(src: Path, dst: Path) -> None:
+    """The LoRA's scale (alpha / rank) off by 2x, as a fused q/k/v whose rank triples without its alpha
+    (kohya-ss/sd-scripts#2204) leaves it too small: kohya's alpha halved, or the up/B weights that carry the
+    baked-in scale of a diffusers file. Not 2x too large: at memorisation the LoRA outweighs the random tiny base
+    and the normalisation layers absorb an overshoot (measured: a ratio of 0.05 for Flux, 0.005 for SD1.5)."""
+    tensors = load_file(str(src))
+    has_alpha = any(k.endswith(".alpha") for k in tensors)
+    out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
+    save_file(out, str(dst), metadata=_metadata(src))
+
+
+def _metadata(file: Path) -> dict[str, str] | None:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return f.metadata()
+
+
+FILES = {"misnamed_block": misnamed_block, "scale_halved": scale_halved}
