@@ -1,6 +1,6 @@
 """Pretrain the demo's tiny Flux base on the generated shape world (tasks/demo/world.py).
 
-Usage: python scripts/pretrain_demo_base.py [out_dir]      (default: data/demo_base)
+Usage: python -m scripts.pretrain_demo_base [out_dir]      (default: data/demo_base; about 10 min on 2 cores)
 
 1. build_tiny_flux with a wider arch (real diffusers/transformers classes, random weights);
 2. train the VAE as an autoencoder on base-world images, then set its shift/scaling factors to the latents'

@@ -46,7 +46,8 @@ FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
 
 # The longest files (measured, --durations), started first: `make test` hands whole files to 3 workers, and a
 # long file picked up last keeps one worker busy while the others are done (longest first: an even finish).
-LONGEST_FIRST = ["test_terminal.py", "test_multiprocess.py", "test_multinode.py", "test_parallel_sweep.py",
+LONGEST_FIRST = ["test_learns_mutations.py", "test_learns.py", "test_demo.py",
+                 "test_terminal.py", "test_multiprocess.py", "test_multinode.py", "test_parallel_sweep.py",
                  "test_deploy.py", "test_cancel.py", "test_schedule.py", "test_prefect_launcher.py", "test_sweep.py",
                  "test_fp8_base.py", "test_reliability_kill.py", "test_flux2_dev.py", "test_runner_dask.py",
                  "test_optuna_sweep.py"]
