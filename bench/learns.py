@@ -262,7 +262,10 @@ def results_table(result: dict) -> str:
              f"Measured {result.get('date', '?')} on {result.get('machine', '?')}. One 64 px image, memorised; each "
              "exported file loaded into the family's own diffusers pipeline and the caption rendered from noise "
              f"({RENDER_STEPS} steps). ratio = err_lora / err_base (mean squared distance of the latent handed to "
-             f"`vae.decode` from the image's own latent); goal <= {BOUND}. Raw: `bench/learns.json`.", ""]
+             f"`vae.decode` from the image's own latent); goal <= {BOUND} (demo_flux, the pretrained base: "
+             f"<= {BOUNDS['demo_flux']}). The tiny models are widened and the LoRAs of SD3, Qwen-Image, SDXL and "
+             "SD1.5 target more than the default (MLPs; the UNets' convolutions): `settings` in the JSON, and "
+             "docs/learning.md for why. Raw: `bench/learns.json`.", ""]
     if demo := result.get("demo"):
         lines += [f"Demo (`make run`): concept_before {demo['concept_before']:.2f} (goal <= 0.2), concept_after "
                   f"{demo['concept_after']:.2f} (>= 0.8), base_kept {demo['base_kept']:.2f} (>= 0.8).", ""]
