@@ -10,9 +10,10 @@ read from loraflow's cache, so a cache that scales or shifts wrongly shows):
 
 The reference is a function of the pipeline alone: a sign, timestep convention, latent scale/shift, key name
 or alpha/rank scale that loraflow gets wrong makes the LoRA pull the render somewhere else, and the ratio
-rises (tests/test_learns.py mutates each and checks that it does).
+rises (tests/test_learns.py and tests/test_learns_mutations.py mutate each; docs/learning.md says where each
+is caught and what is not).
 
-    python -m bench.learns                  # every family, ~20 min on 2 cores; bench/learns.json + RESULTS.md
+    python -m bench.learns                  # the demo and every family, ~10 min on 2 cores; learns.json + RESULTS.md
     python -m bench.learns --only tiny_flux,tiny_sd15   [--out FILE]
 
 A file diffusers cannot read goes through `merge` instead (W += alpha/rank * up @ down on the original
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -43,10 +43,6 @@ BOUND = 0.2  # the issue's goal: the LoRA takes the render 5x closer to the imag
 # re-learn it (measured 0.0195 to 0.057: tests/test_learns_mutations.py). 0.01 sits between, ~2x from each:
 # an empirical bound of this base, not a rounding figure (the runs are deterministic on the AVX2 kernels).
 BOUNDS = {"demo_flux": 0.01}
-
-
-def bound(model: str) -> float:
-    return BOUNDS.get(model, BOUND)
 SEED = 0  # the render's noise
 RENDER_STEPS = 20
 
@@ -78,6 +74,10 @@ SETTINGS: dict[str, dict] = {
     "tiny_flux2_dev": {"arch": {"num_attention_heads": 8, "num_layers": 2, "num_single_layers": 2}, "rank": 16,
                        "steps": 300, "lr": 1e-2},
 }
+def bound(model: str) -> float:
+    return BOUNDS.get(model, BOUND)
+
+
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
 MERGED = {"FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3"}
 

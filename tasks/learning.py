@@ -24,7 +24,8 @@ _CELL, _PER_ROW = 96, 4  # px per image in before_after.png (upscaled without sm
 
 
 def prompts(lcfg: dict) -> tuple[list[str], list[str]]:
-    """(concept prompts, kept prompts): every `every`-th caption of the world's lists, in their fixed order."""
+    """(concept prompts, kept prompts): spread evenly over the world's caption lists (their fixed order), so
+    that colours and shapes are all represented, held-out colour pairs of the concept included."""
     from tasks.demo import world
 
     concept, kept = world.concept_captions(), world.base_captions()
@@ -77,6 +78,7 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
         if lora is not None:
             pipe.load_lora_weights(str(lora))
         pipe.set_progress_bar_config(disable=True)
+        pipe.to(adapter.device)  # the start noise is drawn on the CPU (_render): the same images on any device
         renders[name] = {p: [_render(pipe, p, s, lcfg, size) for s in lcfg["seeds"]] for p in concept + kept}
 
     def share(which: str, texts: list[str]) -> float:
