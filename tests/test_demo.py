@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from tasks.learning import prompts
+from tasks.learning import _CELL, _PER_ROW, prompts
 
 
 def test_demo_teaches_the_base_a_new_shape(prefect_api, tmp_path):
@@ -28,7 +28,8 @@ def test_demo_teaches_the_base_a_new_shape(prefect_api, tmp_path):
 
     sheet = Image.open(report["artifacts"]["before_after"])
     concept, kept = prompts(_learning_defaults())
-    assert sheet.height > (len(concept) + len(kept)) * 64  # a row per prompt: base | LoRA
+    rows = -(-(len(concept) + len(kept)) // _PER_ROW)  # each prompt: base | LoRA, _PER_ROW prompts a row
+    assert sheet.width >= _PER_ROW * 2 * _CELL and sheet.height >= rows * _CELL
     assert Path(report["artifacts"]["before_after"]).parent == tmp_path / "run" / "samples"
 
 
