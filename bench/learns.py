@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -232,6 +233,68 @@ def merge_kohya(pipe, file: Path) -> None:
                 t.weight += block.to(t.weight.dtype)
 
 
+# -- file mutations: an exported file as a faulty exporter would write it (the check must catch each) --------
+_BLOCK = re.compile(r"((?:^|[._])(?:[a-z]+_)?(?:blocks|layers)[._]\d+[._])")
+
+
+def misnamed_block(src: Path, dst: Path) -> int:
+    """One block's keys misnamed (the block holding most LoRA modules: `..blocks.0.` -> `..blocks.0x.`), as
+    an exporter with a wrong name rule writes them; returns how many tensors were renamed."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    blocks = [m.group(1) for k in tensors if (m := _BLOCK.search(k))]
+    block = max(sorted(set(blocks)), key=blocks.count)
+    out = {(k.replace(block, block[:-1] + "x" + block[-1], 1) if block in k else k): v for k, v in tensors.items()}
+    save_file(out, str(dst), metadata=_metadata(src))
+    return blocks.count(block)
+
+
+def scale_halved(src: Path, dst: Path) -> None:
+    """The LoRA's scale (alpha / rank) off by 2x, as a fused q/k/v whose rank triples without its alpha
+    (kohya-ss/sd-scripts#2204) leaves it too small: kohya's alpha halved, or the up/B weights that carry the
+    baked-in scale of a diffusers file. Not 2x too large: at memorisation the LoRA outweighs a random tiny base
+    and the normalisation layers absorb an overshoot (measured: a ratio of 0.05 for Flux, 0.005 for SD1.5)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    has_alpha = any(k.endswith(".alpha") for k in tensors)
+    out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
+    save_file(out, str(dst), metadata=_metadata(src))
+
+
+def _metadata(file: Path) -> dict[str, str] | None:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return f.metadata()
+
+
+FILE_MUTATIONS = {"misnamed_block": misnamed_block, "scale_halved": scale_halved}
+
+
+def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[str, dict[str, float | str]]:
+    """The ratio of each file mutation of each exported file; caught: over the model's bound, or the loader
+    refuses the file (recorded as "refused: <its error>")."""
+    out = {}
+    for name, mutate in FILE_MUTATIONS.items():
+        out[name] = {}
+        for fmt, file in files.items():
+            bad = work / f"{name}_{fmt}.safetensors"
+            mutate(file, bad)
+            try:
+                out[name][fmt] = evaluate(model, base, {fmt: bad})["files"][fmt]
+            except Exception as e:  # noqa: BLE001 - any loader error: the file is refused, loudly
+                out[name][fmt] = f"refused: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def _shown(v: float | str, model: str) -> str:
+    if isinstance(v, str):
+        return "refused"
+    return f"{v:.3f}" + ("" if v > bound(model) else " (not caught)")
+
+
 def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
     pipe = load_pipeline(base)
@@ -269,13 +332,15 @@ def results_table(result: dict) -> str:
     if demo := result.get("demo"):
         lines += [f"Demo (`make run`): concept_before {demo['concept_before']:.2f} (goal <= 0.2), concept_after "
                   f"{demo['concept_after']:.2f} (>= 0.8), base_kept {demo['base_kept']:.2f} (>= 0.8).", ""]
-    lines += ["| model | ratio (diffusers file) | kohya file (loader) | err_base | err_lora | width, rank, steps, lr | s |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| model | ratio (diffusers file) | kohya file (loader) | err_base | err_lora | misnamed block (d, k) "
+              "| scale halved (d, k) | width, rank, steps, lr | s |", "|---|---|---|---|---|---|---|---|---|"]
     for model, r in result["families"].items():
         st = r["settings"]
         arch = ", ".join(f"{k}={v}" for k, v in st["arch"].items()) or "default"
+        muts = " | ".join(", ".join(_shown(v, model) for v in r.get("mutations", {}).get(m, {}).values()) or "-"
+                          for m in FILE_MUTATIONS)
         lines.append(f"| {model} | {r['ratio']:.3f} | {r['files'].get('kohya', float('nan')):.3f} "
-                     f"({r['loaders'].get('kohya', '-')}) | {r['err_base']:.4g} | {r['err_lora']:.4g} | {arch}; "
+                     f"({r['loaders'].get('kohya', '-')}) | {r['err_base']:.4g} | {r['err_lora']:.4g} | {muts} | {arch}; "
                      f"r{st['rank']}, {st['steps']} steps, lr {st['lr']} | {st['seconds']} |")
     return "\n".join(lines + ["", _END])
 
@@ -337,12 +402,14 @@ def main(argv: list[str] | None = None) -> int:
             dataset(root, model)
             base, files = train_cli(model, root)
             r = evaluate(model, base, files)
+            r["mutations"] = mutated(model, base, files, root)
         r["settings"] = {**SETTINGS[model], "batch": REPEATS, "size": SIZE, "render_steps": RENDER_STEPS,
                          "seconds": round(time.time() - t0, 1)}
         result["families"][model] = r
         print(f"{model}: ratio {r['ratio']:.3f} (err {r['err_lora']:.4g} / {r['err_base']:.4g}), files "
-              + ", ".join(f"{k} {v:.3f}" for k, v in r["files"].items()) + f", {r['settings']['seconds']} s",
-              flush=True)
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["files"].items()) + f", {r['settings']['seconds']} s; "
+              + "; ".join(f"{m} " + ", ".join(f"{k} {_shown(v, model)}" for k, v in fs.items())
+                          for m, fs in r["mutations"].items()), flush=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     if out == REPO / "bench" / "learns.json":
         write_results(result)

@@ -1,16 +1,14 @@
 """Mutations of loraflow that each train a falling loss yet a wrong LoRA (issue 29): the learning check
 (bench/learns.py) must catch every one. Training mutations are monkeypatched into loraflow's own code for one
-run; file mutations edit an exported file as a faulty exporter would have written it."""
+run; file mutations (bench.learns.FILE_MUTATIONS) edit an exported file as a faulty exporter would have
+written it."""
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file, save_file
 
 import tasks.models.flow_matching as flow_matching
 import tasks.models.unet as unet
+from bench import learns
 
 # The modules whose training_loss calls noise_latents / weighted_loss (imported by name, so patched there).
 FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2")
@@ -94,37 +92,5 @@ TRAINING = {"sign": sign_flipped, "timestep_reversed": timestep_reversed, "times
             "latent_scale": latent_scale_dropped}
 
 
-# -- file mutations ---------------------------------------------------------------------------------------
-_BLOCK = re.compile(r"((?:^|[._])(?:[a-z]+_)?(?:blocks|layers)[._]\d+[._])")
-
-
-def misnamed_block(src: Path, dst: Path) -> int:
-    """One block's keys misnamed (the block holding most LoRA modules: `..blocks.0.` -> `..blocks.0x.`), as
-    an exporter with a wrong name rule writes them; returns how many tensors were renamed."""
-    tensors = load_file(str(src))
-    blocks = [m.group(1) for k in tensors if (m := _BLOCK.search(k))]
-    block = max(sorted(set(blocks)), key=blocks.count)
-    out = {(k.replace(block, block[:-1] + "x" + block[-1], 1) if block in k else k): v for k, v in tensors.items()}
-    save_file(out, str(dst), metadata=_metadata(src))
-    return blocks.count(block)
-
-
-def scale_halved(src: Path, dst: Path) -> None:
-    """The LoRA's scale (alpha / rank) off by 2x, as a fused q/k/v whose rank triples without its alpha
-    (kohya-ss/sd-scripts#2204) leaves it too small: kohya's alpha halved, or the up/B weights that carry the
-    baked-in scale of a diffusers file. Not 2x too large: at memorisation the LoRA outweighs the random tiny base
-    and the normalisation layers absorb an overshoot (measured: a ratio of 0.05 for Flux, 0.005 for SD1.5)."""
-    tensors = load_file(str(src))
-    has_alpha = any(k.endswith(".alpha") for k in tensors)
-    out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
-    save_file(out, str(dst), metadata=_metadata(src))
-
-
-def _metadata(file: Path) -> dict[str, str] | None:
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
-        return f.metadata()
-
-
-FILES = {"misnamed_block": misnamed_block, "scale_halved": scale_halved}
+# -- file mutations: bench/learns.py's (the bench records them for every family) ------------------------------
+FILES = learns.FILE_MUTATIONS
