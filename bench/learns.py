@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from bench.file_mutations import FILE_MUTATIONS
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTION = "a red circle on a blue background"
@@ -231,46 +232,6 @@ def merge_kohya(pipe, file: Path) -> None:
             targets = [modules[m] for m in rows[name.removeprefix("lora_unet_")]]
             for t, block in zip(targets, torch.split(delta, [t.weight.shape[0] for t in targets])):
                 t.weight += block.to(t.weight.dtype)
-
-
-# -- file mutations: an exported file as a faulty exporter would write it (the check must catch each) --------
-_BLOCK = re.compile(r"((?:^|[._])(?:[a-z]+_)?(?:blocks|layers)[._]\d+[._])")
-
-
-def misnamed_block(src: Path, dst: Path) -> int:
-    """One block's keys misnamed (the block holding most LoRA modules: `..blocks.0.` -> `..blocks.0x.`), as
-    an exporter with a wrong name rule writes them; returns how many tensors were renamed."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(src))
-    blocks = [m.group(1) for k in tensors if (m := _BLOCK.search(k))]
-    block = max(sorted(set(blocks)), key=blocks.count)
-    out = {(k.replace(block, block[:-1] + "x" + block[-1], 1) if block in k else k): v for k, v in tensors.items()}
-    save_file(out, str(dst), metadata=_metadata(src))
-    return blocks.count(block)
-
-
-def scale_halved(src: Path, dst: Path) -> None:
-    """The LoRA's scale (alpha / rank) off by 2x, as a fused q/k/v whose rank triples without its alpha
-    (kohya-ss/sd-scripts#2204) leaves it too small: kohya's alpha halved, or the up/B weights that carry the
-    baked-in scale of a diffusers file. Not 2x too large: at memorisation the LoRA outweighs a random tiny base
-    and the normalisation layers absorb an overshoot (measured: a ratio of 0.05 for Flux, 0.005 for SD1.5)."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(src))
-    has_alpha = any(k.endswith(".alpha") for k in tensors)
-    out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
-    save_file(out, str(dst), metadata=_metadata(src))
-
-
-def _metadata(file: Path) -> dict[str, str] | None:
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
-        return f.metadata()
-
-
-FILE_MUTATIONS = {"misnamed_block": misnamed_block, "scale_halved": scale_halved}
 
 
 def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[str, dict[str, float | str]]:

@@ -82,15 +82,20 @@ def train_vae(vae, pixels: torch.Tensor, g: torch.Generator) -> None:
         dist = vae.encode(x).latent_dist
         z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=g)
         loss = torch.nn.functional.mse_loss(vae.decode(z).sample, x) + VAE_KL * dist.kl().mean()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, VAE_STEPS, VAE_LR)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, vae.parameters(), lr_at(step, VAE_STEPS, VAE_LR))
         if step % 100 == 0 or step == VAE_STEPS - 1:
             print(f"vae step {step}: loss {loss.item():.5f} ({time.time() - _T0:.0f} s)", flush=True)
     vae.eval()
+
+
+def optimizer_step(opt, loss, params, lr: float) -> None:
+    """One AdamW step at `lr`, gradients clipped to norm 1 (both the VAE's and the transformer's loops)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
 
 
 @torch.no_grad()
@@ -123,12 +128,7 @@ def train_transformer(transformer, latents, embeds, pooled, g: torch.Generator) 
                            txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         pred = FluxPipeline._unpack_latents(pred, height=h * 8, width=w * 8, vae_scale_factor=8)
         loss = torch.nn.functional.mse_loss(pred, noise - x0)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, DIT_STEPS, DIT_LR)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, transformer.parameters(), lr_at(step, DIT_STEPS, DIT_LR))
         if step % 250 == 0 or step == DIT_STEPS - 1:
             print(f"transformer step {step}: loss {loss.item():.4f} ({time.time() - _T0:.0f} s)", flush=True)
     transformer.eval()

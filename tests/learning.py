@@ -1,6 +1,6 @@
 """Mutations of loraflow that each train a falling loss yet a wrong LoRA (issue 29): the learning check
 (bench/learns.py) must catch every one. Training mutations are monkeypatched into loraflow's own code for one
-run; file mutations (bench.learns.FILE_MUTATIONS) edit an exported file as a faulty exporter would have
+run; file mutations (bench/file_mutations.py) edit an exported file as a faulty exporter would have
 written it."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import tasks.models.flow_matching as flow_matching
 import tasks.models.unet as unet
-from bench import learns
+from bench.file_mutations import FILE_MUTATIONS
 
 # The modules whose training_loss calls noise_latents / weighted_loss (imported by name, so patched there).
 FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2")
@@ -93,4 +93,4 @@ TRAINING = {"sign": sign_flipped, "timestep_reversed": timestep_reversed, "times
 
 
 # -- file mutations: bench/learns.py's (the bench records them for every family) ------------------------------
-FILES = learns.FILE_MUTATIONS
+FILES = FILE_MUTATIONS
