@@ -73,15 +73,18 @@ def bench_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dic
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         t = time.perf_counter()
-        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", use_safetensors=True).eval()
+        # on the device and in the dtype ours uses (model.dtype; CUDA when there is one: bench/gpu.py)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", use_safetensors=True,
+                                            dtype=getattr(torch, cfg["model"]["dtype"])).to(device).eval()
         with torch.no_grad():
             for i, path in enumerate(images):
                 img = Image.open(path).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
                 x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
                 x = x.contiguous()[None]  # NCHW-contiguous, as ours (the permuted view is channels-last)
-                z = vae.encode(x).latent_dist.mode()
+                z = vae.encode(x.to(device, vae.dtype)).latent_dist.mode()
                 z = (z - vae.config.shift_factor) * vae.config.scaling_factor
-                save_file({"latents": z[0].contiguous()}, str(out / f"{i}.safetensors"))
+                save_file({"latents": z[0].contiguous().cpu()}, str(out / f"{i}.safetensors"))
         dt = time.perf_counter() - t
         shutil.rmtree(out, ignore_errors=True)
         return len(images) / dt

@@ -19,9 +19,13 @@ Configurations, each in its own try/except (an OOM is recorded, not fatal):
   bf16            bf16 base, no gradient checkpointing
   bf16+ckpt       bf16 base, gradient checkpointing                  (train.gradient_checkpointing=true)
   fp8+ckpt        fp8 e4m3 base, bf16 compute, gradient checkpointing (model.storage_dtype=float8_e4m3fn)
-  fp8all+ckpt     as fp8+ckpt, the AdaLN modulation linears in fp8 too   (model.storage_modulation=true)
+  fp8-all+ckpt    as fp8+ckpt, the AdaLN modulation linears in fp8 too   (model.storage_modulation=true)
 Peak VRAM is torch.cuda.max_memory_allocated over the training steps (after building the model, whose own
 transient peak is reported separately); goals: <= 24 GiB with checkpointing, fp8+checkpointing aims for 16 GiB.
+Beside each peak: the validate node's preflight estimate for the same settings (goal: within 10 %) and
+bench.memory's CPU-measured bytes (bench/memory.json). Then, side by side in the same run (bench/gpu_bare.py):
+the train step against a bare diffusers + peft loop (goal <= 1.05x) and latent caching against a bare VAE loop
+(goal >= 0.95x). `--families FILE` merges bench.gpu_families' results (every family's DAG through the CLI).
 
 On the GPU image of this workplace diffusers, hydra-core, omegaconf and antlr4 are missing: bench/gpu_wheels.sh
 downloads them as wheels to carry (see bench/README.md).
@@ -41,6 +45,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 
+
+def run_units(*a):
+    from bench.gpu_units import run_units as run
+
+    return run(*a)
+
+
+def run_unit_here(*a):
+    from bench.gpu_units import run_unit_here as run
+
+    return run(*a)
+
 # FLUX.1-dev transformer/config.json
 FLUX_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -49,10 +65,10 @@ TINY = dict(FLUX_DEV, num_layers=1, num_single_layers=2, attention_head_dim=16, 
             joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 # (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)
 CONFIGS = (("bf16", False, False, False), ("bf16+ckpt", False, True, False), ("fp8+ckpt", True, True, False),
-           ("fp8all+ckpt", True, True, True))
+           ("fp8-all+ckpt", True, True, True))
 LABELS = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkpointing",
           "fp8+ckpt": "fp8 base + gradient checkpointing",
-          "fp8all+ckpt": "fp8 base incl. modulation + gradient checkpointing"}
+          "fp8-all+ckpt": "fp8 base incl. modulation + gradient checkpointing"}
 # The train node's flow-matching settings (conf/train defaults; tasks/config.py TrainConfig).
 TRAIN_CFG = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
                  optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
@@ -149,14 +165,19 @@ def run_config(name: str, fp8: bool, ckpt: bool, modulation: bool, args, arch: d
         out["oom"] = True
         out["error"] = str(e).splitlines()[0]
     except Exception as e:  # recorded; the next configuration still runs
+        import traceback
+
         out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-4000:]
     finally:
-        if cuda:
-            out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         del model, params, opt, latents, text
         gc.collect()
         if cuda:
-            torch.cuda.empty_cache()
+            try:  # after a CUDA error the context is gone: keep the error recorded above
+                out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                out["error"] = out["error"] or f"{type(e).__name__}: {e}"
     out["step_median_s"] = statistics.median(out["step_s"]) if out["step_s"] else None
     return out
 
@@ -225,6 +246,18 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(c[0] for c in CONFIGS), help="comma list of " +
                     ", ".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", default=None, help="default bench/gpu_results.json (--tiny: bench/gpu_results_tiny.json)")
+    ap.add_argument("--families", default=None, help="bench.gpu_families' JSON to merge (its `families`)")
+    ap.add_argument("--bare-rounds", type=int, default=None, help="train step vs bare: alternated rounds (default 5)")
+    ap.add_argument("--bare-steps", type=int, default=3, help="train step vs bare: steps per round")
+    ap.add_argument("--latent-images", type=int, default=None, help="latent caching vs bare: images (default 24)")
+    ap.add_argument("--in-process", action="store_true", help="every configuration in this process (default on "
+                    "CUDA: each in its own, so a CUDA error cannot take the rest down)")
+    ap.add_argument("--sdpa", default="default", choices=("default", "no-cudnn"), help="no-cudnn: attention "
+                    "without cuDNN's kernel (the retry after a CUDA error)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: past half of it, a failed unit is not "
+                    "retried")
+    ap.add_argument("--unit", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--unit-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--weights", action="store_true", help="the full-size model on the meta device: bytes held "
                     "by its weights per configuration (no GPU needed)")
     args = ap.parse_args(argv)
@@ -234,6 +267,8 @@ def main(argv=None) -> int:
     if args.weights:
         return weights_only(Path(args.out or HERE / "gpu_weights.json"), args.rank)
 
+    if args.unit:  # one unit in this process, for bench/gpu_units.py's parent
+        return run_unit_here(args, TINY if args.tiny else FLUX_DEV)
     if not torch.cuda.is_available() and not args.tiny:
         print("bench/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False "
               f"(torch {torch.__version__}). Run it on a GPU machine with a CUDA build of torch, or use --tiny to "
@@ -245,7 +280,10 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     args.resolution = args.resolution or (128 if args.tiny else 1024)
     args.text_len = args.text_len or (16 if args.tiny else 512)
+    args.bare_rounds = args.bare_rounds or (2 if args.tiny else 5)
+    args.latent_images = args.latent_images or (4 if args.tiny else 24)
     out_path = Path(args.out or HERE / ("gpu_results_tiny.json" if args.tiny else "gpu_results.json"))
+    args.out = str(out_path)
     wanted = set(args.only.split(","))
 
     device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
@@ -255,13 +293,11 @@ def main(argv=None) -> int:
           f"({(args.resolution // 16) ** 2} image tokens), text {args.text_len} tokens, batch {args.batch}, "
           f"LoRA rank {args.rank}", flush=True)
     t0 = time.perf_counter()
-    results = []
-    for name, fp8, ckpt, modulation in CONFIGS:
-        if name in wanted:
-            print(f"{name} ...", flush=True)
-            results.append(run_config(name, fp8, ckpt, modulation, args, arch, device))
-    figs = figures(results)
-    doc = {"figures": figs, "machine": {"device": device_name, "total_gib": total_gib, "torch": torch.__version__,
+    results, extra = run_units(args, arch, device, [c for c in CONFIGS if c[0] in wanted])
+    figs = figures(results) + extra.pop("figures")
+    from bench.gpu_units import contract
+
+    doc = {**contract(device_name, results, extra, args.families), "figures": figs, "machine": {"device": device_name, "total_gib": total_gib, "torch": torch.__version__,
                                         "cuda": torch.version.cuda},
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "config": {"tiny": args.tiny, "arch": arch, "resolution": args.resolution, "text_len": args.text_len,

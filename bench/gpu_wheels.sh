@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Wheels that bench/gpu.py needs and this workplace's GPU image lacks (its Python is 3.12 with torch,
-# transformers, peft, accelerate and safetensors already there). Run here, in the repository root; then
-# carry .whl to the device machine and install it there first (bench/README.md has the command).
+# Wheels that bench/gpu_session.sh needs on this workplace's GPU image (Python 3.12 with torch, transformers,
+# tokenizers, huggingface_hub, accelerate, safetensors, numpy, pillow ... already there: the device tool's
+# KINDS.md lists them). Run here, in the repository root; then carry .whl to the device machine (bench/README.md).
+# Everything fits the device tool's 64 MiB with the working tree: bitsandbytes is slimmed to its CUDA 13.0
+# library (the image's torch is cu130), and antlr4 (an sdist only) is built here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 mkdir -p .git/info && { grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude; }
+rm -rf .whl && mkdir .whl
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+         manylinux1_x86_64 manylinux_2_5_x86_64; do
   platforms+=(--platform "$p")
 done
-# Pure-Python packages, at the versions in constraints.txt (hydra/omegaconf: tasks.config, which the
-# train node's setup imports).
-for req in diffusers==0.42.1 hydra-core==1.3.8 omegaconf==2.3.0; do
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d .whl "$req"
-done
-python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # published as an sdist only
-ls -l .whl
+grep -v '^#' bench/gpu_requirements.txt | python3 -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl -r /dev/stdin
+python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+tmp=$(mktemp -d)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 \
+  -d "$tmp" bitsandbytes==0.50.2
+(cd "$tmp" && mkdir x && cd x && unzip -q ../bitsandbytes-*.whl \
+  && find bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cuda130.so' ! -name '*_cpu.so' -delete \
+  && zip -qr "$root/.whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl" .)
+rm -rf "$tmp"
+du -sh .whl

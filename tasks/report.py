@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+from tasks.runtime import cuda_available, torch, versions
 from tasks.store.hashing import changed_inputs
 
 NODES = ("validate", "cache_latents", "cache_text", "train", "sample")
@@ -36,7 +37,15 @@ def assemble(config_name: str, results: dict, previous: dict, plan: dict, lora: 
               "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
+    report["runtime"] = runtime_entry()
     return report
+
+
+def runtime_entry() -> dict:
+    """Where this run computed: {"device": "cpu" | "cuda", "gpu": name (CUDA only), "libs": versions}."""
+    if cuda_available():
+        return {"device": "cuda", "gpu": torch.cuda.get_device_name(), "libs": versions()}
+    return {"device": "cpu", "libs": versions()}
 
 
 def readable_changes(changed: list[str], prompts_file: str, caption_extension: str = ".txt", limit: int = 6) -> str:

@@ -13,6 +13,7 @@ from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
+from tasks.models.base import on_pipeline_device
 from tasks.runtime import runtime
 from tasks.store import Store
 
@@ -97,7 +98,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             prompt = tensors(f"prompt:{p['line']}", p["prompt"])
             negative = tensors(f"negative:{p['line']}", p["negative"]) if p["negative"] else None
             empty = tensors("empty", "")
-            image = adapter.sample(pipe, prompt, negative, empty, **s)
+            image = adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in (prompt, negative, empty)), **s)
             with store.tmp_dir("sample") as tmp:
                 png = Path(tmp) / "sample.png"
                 image.save(png)

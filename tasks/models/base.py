@@ -177,3 +177,13 @@ class FamilyAdapter(ABC):
         `negative` is the prompt's own negative (kohya --n) or None; `empty` is the cached empty prompt,
         the unconditional input for families whose CFG needs one. The generator is a CPU generator:
         a seed gives the same image on any machine."""
+
+
+def on_pipeline_device(pipe, text: dict | None) -> dict | None:
+    """Cached text tensors (the store's, on the CPU) on the pipeline's device. diffusers' Flux, SD3, FLUX.2,
+    Z-Image and Qwen-Image pipelines use given prompt embeddings where they are (SD1.5/SDXL move them), so on
+    CUDA the adapters' `sample` must get them there."""
+    if text is None:
+        return None
+    device = pipe._execution_device
+    return {k: v.to(device) for k, v in text.items()}

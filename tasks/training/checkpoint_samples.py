@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import cache_text, sample
+from tasks.models.base import on_pipeline_device
 from tasks.training import checkpoints
 from tasks.store.hashing import key_of
 from tasks.data.prompts import read_prompts
@@ -175,8 +176,8 @@ class CheckpointSampler:
                     pipe = self.adapter.load_sampler(None, denoiser=denoiser)
                     denoiser.eval()
                 try:
-                    image = self.adapter.sample(pipe, tensors(p["prompt"]), tensors(p["negative"]) if p["negative"] else None,
-                                                tensors(""), **s)
+                    texts = (tensors(p["prompt"]), tensors(p["negative"]) if p["negative"] else None, tensors(""))
+                    image = self.adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in texts), **s)
                 except Exception as e:  # noqa: BLE001 -- one bad prompt costs its image only
                     self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
                     continue

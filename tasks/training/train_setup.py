@@ -88,6 +88,11 @@ def prepare_denoiser(adapter, cfg: dict):
     from peft import LoraConfig  # here: a no-op run never trains, and peft takes a second to import
 
     tc = cfg["train"]
+    # cuDNN's fused attention stays off while training: on an H200 (torch 2.11+cu130) its backward failed with an
+    # illegal memory access on FLUX.1-dev at 4608 tokens, where flash/memory-efficient attention ran the same
+    # step (bench/RESULTS.md, GPU); pytorch#190321 and #134001 give this same mitigation, and #196678 reports
+    # NaN gradients from it since torch 2.11. Only CUDA reads the flag.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     denoiser = adapter.load_denoiser()
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One lent GPU's runs for issue 34, as one command on the device machine (bench/README.md): install the
+# wheels bench/gpu_wheels.sh put in .whl/, then every family's DAG through the CLI (bench.gpu_families), then bench.gpu (FLUX.1-dev
+# figures, side by side with bare loops). Results go to $OUT (default /tmp/gpu_out).
+# Budgets in seconds: BENCH_S (bench.gpu), FAMILIES_S (bench.gpu_families' --deadline); extra arguments in
+# BENCH_ARGS / FAMILY_ARGS.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "installing .whl failed"; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, transformers, diffusers, peft, prefect, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), '| transformers', transformers.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__, 'prefect', prefect.__version__, 'bitsandbytes', bitsandbytes.__version__)"
+python3 -m bench.gpu_families --jobs "${JOBS:-8}" --deadline "${FAMILIES_S:-200}" --work /tmp/gpu_families \
+  --out "$OUT/gpu_families.json" --logs "$OUT/gpu_families_failures.txt" ${FAMILY_ARGS:-} 2>&1 | tee "$OUT/gpu_families.log"
+timeout -k 10 "${BENCH_S:-300}" python3 -m bench.gpu --budget "${BENCH_S:-300}" --out "$OUT/gpu_results.json" \
+  ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log"
+# the families' verdicts into gpu_results.json (contract.md: its `families`)
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+res, fam = out / "gpu_results.json", out / "gpu_families.json"
+if res.is_file() and fam.is_file():
+    doc = json.loads(res.read_text())
+    doc["families"] = json.loads(fam.read_text())["families"]
+    res.write_text(json.dumps(doc, indent=1, default=str))
+PY
+echo "session done"
