@@ -131,6 +131,8 @@ def train_cli(model: str, root: Path, settings: dict | None = None) -> tuple[Pat
         raise RuntimeError(f"{model}: the CLI run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     report = json.loads((run_dir / "report.json").read_text())
     files = {fmt: Path(p) for fmt, p in report["artifacts"]["lora_files"].items()}
+    if files.get("comfyui") == files.get("kohya"):  # the kohya file is ComfyUI's there: evaluated once
+        files.pop("comfyui")
     return Path(report["artifacts"]["base_model"]), files
 
 
@@ -211,17 +213,18 @@ def load_pipeline(base: Path):
     return pipe
 
 
-def merge_kohya(pipe, file: Path) -> None:
-    """ComfyUI's rule for a kohya file: W += alpha/rank * up @ down on the original checkpoint's Linear, whose
-    rows are the diffusers Linears it fuses (tasks/training/export.py's table, read backwards)."""
+def merge_kohya(pipe, file: Path, family: str | None = None) -> None:
+    """ComfyUI's rule for a kohya (or ComfyUI-layout) file: W += alpha/rank * up @ down on the original
+    checkpoint's Linear, whose rows are the diffusers Linears it fuses (tasks/training/export.py's tables, read
+    backwards). `family`: a ComfyUI-layout file's (Z-Image: fused q/k/v)."""
     import torch
     from safetensors.torch import load_file
 
-    from tasks.training.export import kohya_rows
+    from tasks.training.export import comfyui_rows, kohya_rows
 
     kohya = load_file(str(file))
     modules = dict(_denoiser(pipe).named_modules())
-    rows = kohya_rows(MERGED[type(pipe).__name__], modules)
+    rows = comfyui_rows(family, modules) if family else kohya_rows(MERGED[type(pipe).__name__], modules)
     with torch.no_grad():
         for name in sorted({k.split(".")[0] for k in kohya}):
             if name.removeprefix("lora_unet_") not in rows:  # ComfyUI's "lora key not loaded": skipped
@@ -265,9 +268,10 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
         pipe = load_pipeline(base)
-        loaders[fmt] = "merge" if fmt == "kohya" and type(pipe).__name__ in MERGED else "load_lora_weights"
-        if loaders[fmt] == "merge":
-            merge_kohya(pipe, file)
+        merge = (fmt == "kohya" and type(pipe).__name__ in MERGED) or fmt == "comfyui"
+        loaders[fmt] = "merge" if merge else "load_lora_weights"
+        if merge:
+            merge_kohya(pipe, file, model.removeprefix("tiny_").removeprefix("demo_") if fmt == "comfyui" else None)
         else:
             pipe.load_lora_weights(str(file))
         errs[fmt] = float(((render_latent(pipe, caption) - target) ** 2).mean())
@@ -289,12 +293,14 @@ def results_table(result: dict) -> str:
              f"`vae.decode` from the image's own latent); goal <= {BOUND} (demo_flux, the pretrained base: "
              f"<= {BOUNDS['demo_flux']}). The tiny models are widened and the LoRAs of SD3, Qwen-Image, SDXL and "
              "SD1.5 target more than the default (MLPs; the UNets' convolutions): `settings` in the JSON, and "
-             "docs/learning.md for why. Raw: `bench/learns.json`.", ""]
+             "docs/learning.md for why. c: the ComfyUI file where it is not the kohya file (Z-Image: fused q/k/v, "
+             "merged by ComfyUI's rule). s: wall time, CLI included, on a machine that may have been busy (the "
+             "JSON's date and seconds are those of each model's last run). Raw: `bench/learns.json`.", ""]
     if demo := result.get("demo"):
         lines += [f"Demo (`make run`): concept_before {demo['concept_before']:.2f} (goal <= 0.2), concept_after "
                   f"{demo['concept_after']:.2f} (>= 0.8), base_kept {demo['base_kept']:.2f} (>= 0.8).", ""]
-    lines += ["| model | ratio (diffusers file) | kohya file (loader) | err_base | err_lora | misnamed block (d, k) "
-              "| scale halved (d, k) | width, rank, steps, lr | s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| model | ratio (diffusers file) | kohya file (loader) | err_base | err_lora | misnamed block (d, k[, c]) "
+              "| scale halved (d, k[, c]) | width, rank, steps, lr | s |", "|---|---|---|---|---|---|---|---|---|"]
     for model, r in result["families"].items():
         st = r["settings"]
         arch = ", ".join(f"{k}={v}" for k, v in st["arch"].items()) or "default"

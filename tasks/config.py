@@ -180,7 +180,9 @@ class TextConfig:
 
 @dataclass
 class ExportConfig:
-    format: str = "both"  # kohya (ComfyUI/kohya key names) | diffusers (PEFT names) | both
+    # kohya (sd-scripts/kohya key names) | diffusers (PEFT names) | comfyui (ComfyUI's own layout) | both
+    # (kohya + diffusers); every run also gets a comfyui file (the kohya file where ComfyUI maps it fully)
+    format: str = "both"
 
 
 @dataclass

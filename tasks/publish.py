@@ -2,7 +2,8 @@
 
 Both exported files are derived from the stored diffusers LoRA (what training and sampling use) and are
 themselves store entries, keyed by the LoRA's key, the format and the converter's version, so each is
-converted once: the kohya file, and the diffusers file with alpha/rank baked into lora_B (export.bake_alpha).
+converted once: the kohya file, the diffusers file with alpha/rank baked into lora_B (export.bake_alpha), and
+for Z-Image the file in ComfyUI's own layout (export.to_comfyui; for the other families the kohya file is it).
 With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers)."""
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def split_text_encoders(state_dict: dict) -> tuple[dict, dict[str, dict]]:
     return peft_from_diffusers({k: v for k, v in state_dict.items() if not k.startswith("text_encoder")}), text
 
 
-def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
+def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "kohya") -> Path:
+    """The kohya file (layout "kohya"), or ComfyUI's layout of the family's model ("comfyui": export.to_comfyui)."""
     tc = cfg["train"]
-    key = key_of({"lora": lora["key"], "format": "kohya", "code": export.CODE_VERSION})
+    key = key_of({"lora": lora["key"], "format": layout, "code": export.CODE_VERSION})
     if not store.valid(KOHYA_KIND, key):
         alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
         if tc.get("rslora"):  # kohya loaders scale by alpha / rank: the alpha that gives rslora's alpha / sqrt(rank)
@@ -54,8 +56,12 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
             **te_lr)
         denoiser, text_encoders = split_text_encoders(st.load_file(lora["lora"]))
         with store.tmp_dir("publish") as tmp:
-            path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
-                                     alpha, metadata, text_encoders)
+            if layout == "comfyui":
+                path = export.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan["family"], denoiser,
+                                           tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"})
+            else:
+                path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
+                                         alpha, metadata, text_encoders)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(KOHYA_KIND, key)
 
@@ -80,6 +86,17 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     if fmt in ("kohya", "both"):
         files["kohya"] = lora_dir / "lora_kohya.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
+    # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
+    # LoRA in ComfyUI's own layout (export.to_comfyui)
+    if cfg["train"].get("network", "lora") == "dora":
+        pass  # no kohya layout holds DoRA's magnitude yet (docs/lora-files.md): the diffusers file only
+    elif "kohya" in files and export.comfyui_loads_kohya(plan["family"]):
+        files["comfyui"] = files["kohya"]
+    else:
+        files["comfyui"] = lora_dir / ("lora_kohya.safetensors" if export.comfyui_loads_kohya(plan["family"])
+                                       else "lora_comfyui.safetensors")
+        layout = "kohya" if export.comfyui_loads_kohya(plan["family"]) else "comfyui"
+        shutil.copyfile(kohya_file(cfg, plan, store, lora, layout), files["comfyui"])
     if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout, whatever export.format
         files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"
         ema = {"key": key_of({"lora_ema": lora["key"]}), "lora": lora["lora_ema"]}
@@ -92,7 +109,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         shutil.copyfile(src, dst)
         paths.append(str(dst))
     grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None
-    main = files.get("diffusers") or files["kohya"]
+    main = files.get("diffusers") or files.get("kohya") or files["comfyui"]
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
             "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}
 

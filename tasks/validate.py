@@ -28,7 +28,7 @@ log = logging.getLogger("loraflow")
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
             ("constant", "constant_with_warmup", "linear", "cosine"), ("train", "weighting_scheme"):
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
-            ("export", "format"): ("kohya", "diffusers", "both"), ("sample", "generator_device"): ("cpu", "device"),
+            ("export", "format"): ("kohya", "diffusers", "comfyui", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
             ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),

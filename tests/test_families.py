@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,8 +68,10 @@ def test_lora_loads_into_the_family_pipeline_and_changes_output(trained, fmt):
 
     family, ws = trained
     files = ws.first["artifacts"]["lora_files"]
-    assert set(files) == {"diffusers", "kohya"}  # export.format=both is the default
+    assert set(files) == {"diffusers", "kohya", "comfyui"}  # export.format=both is the default; comfyui always
     assert ws.first["artifacts"]["lora"] == files["diffusers"]
+    # the kohya file is ComfyUI's where ComfyUI maps all of it; Z-Image's has fused q/k/v (tests/test_comfyui_keys.py)
+    assert (files["comfyui"] == files["kohya"]) == (family != "zimage")
     if (family, fmt) in _DIFFUSERS_CANNOT:
         pytest.xfail(_DIFFUSERS_CANNOT[family, fmt])
     base = ws.first["artifacts"]["base_model"]
@@ -92,9 +95,12 @@ def test_export_format_selects_the_files(trained):
     from safetensors import safe_open
 
     family, ws = trained
-    for fmt in ("kohya", "diffusers"):
+    comfy_name = "lora_comfyui.safetensors" if family == "zimage" else "lora_kohya.safetensors"
+    for fmt in ("kohya", "comfyui", "diffusers"):
         r = ws.run(ws.model, f"export.format={fmt}")
-        assert list(r["artifacts"]["lora_files"]) == [fmt] and r["artifacts"]["lora"] == r["artifacts"]["lora_files"][fmt]
+        files = r["artifacts"]["lora_files"]
+        assert set(files) == {fmt, "comfyui"} and r["artifacts"]["lora"] == files[fmt]  # a ComfyUI file on every run
+        assert Path(files["comfyui"]).name == comfy_name and Path(files["comfyui"]).is_file()
         assert r["nodes"]["train"]["status"] == "cached"  # the format is not a training input
     with safe_open(r["artifacts"]["lora_files"]["diffusers"], "pt") as f:
         assert all(k.startswith(("transformer.", "unet.")) for k in f.keys())

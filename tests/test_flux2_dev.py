@@ -104,7 +104,7 @@ def test_whole_dag_through_the_cli_and_both_lora_files_load_into_flux2_pipeline(
     assert all(np.isfinite(e["loss"]) for e in report["loss"])
     art = report["artifacts"]
     assert len(art["samples"]) == 3 and all(Path(p).is_file() for p in art["samples"])
-    assert set(art["lora_files"]) == {"diffusers", "kohya"}
+    assert set(art["lora_files"]) == {"diffusers", "kohya", "comfyui"} and art["lora_files"]["comfyui"] == art["lora_files"]["kohya"]
 
     def render(lora):
         pipe = Flux2Pipeline.from_pretrained(art["base_model"], use_safetensors=True)

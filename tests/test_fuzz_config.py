@@ -212,7 +212,7 @@ SENSIBLE = {
     "sample.steps": lambda v: 1 <= v <= 1000, "sample.cfg": lambda v: _fin(v) and v >= 0,
     "sample.true_cfg": lambda v: _fin(v) and v >= 0, "sample.seed": lambda v: 0 <= v < 2**64,
     "sample.width": _size, "sample.height": _size, "sample.every_n_steps": lambda v: v >= 0,
-    "sample.generator_device": _in("cpu", "device"), "export.format": _in("kohya", "diffusers", "both"),
+    "sample.generator_device": _in("cpu", "device"), "export.format": _in("kohya", "diffusers", "comfyui", "both"),
 }
 GOOD = ["train.lr=1e-4", "train.seed=4294967295", "train.alpha=null", "train.alpha=16", "train.mode_scale=-1",
         "train.memory_limit_gb=8", "train.max_grad_norm=0", "data.resolution=1024", "data.resolution_type=area", "data.resolution=16384",
