@@ -100,6 +100,20 @@ def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool
     return adapter, denoiser, list(named.values())
 
 
+def train_step(adapter, model, params, opt, scheduler, latents, text, generators):
+    """One step as the train node takes it under train.mixed_precision=bf16: the adapter's loss, backward,
+    gradient clipping, the optimizer. Returns the loss."""
+    import torch
+
+    with torch.autocast(latents.device.type, dtype=torch.bfloat16):
+        loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, generators)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG["max_grad_norm"])
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def inputs(arch: dict, resolution: int, text_len: int, batch: int, device):
     """Cached latents and text of one batch, as the train node reads them from the store."""
     import torch
@@ -148,12 +162,7 @@ def run_config(name: str, fp8: bool, ckpt: bool, modulation: bool, args, arch: d
         for step in range(args.warmup + args.steps):
             t = time.perf_counter()
             generators = [torch.Generator().manual_seed(step * args.batch + j) for j in range(args.batch)]
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, generators)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG["max_grad_norm"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(adapter, model, params, opt, scheduler, latents, text, generators)
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t

@@ -29,7 +29,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from peft import LoraConfig
 
-    from bench.gpu import TRAIN_CFG, build, inputs
+    from bench.gpu import TRAIN_CFG, build, inputs, train_step
     from tasks.training.memory import lora_targets
     from tasks.training.train_setup import make_optimizer
 
@@ -62,14 +62,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     guidance = torch.full((b,), 1.0, device=device, dtype=torch.bfloat16)
 
     def ours_step(i):
-        generators = [torch.Generator().manual_seed(i)]
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = adapter.training_loss(ours, latents, text, TRAIN_CFG, scheduler, generators)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ours_params, TRAIN_CFG["max_grad_norm"])
-        ours_opt.step()
-        ours_opt.zero_grad(set_to_none=True)
-        return loss
+        return train_step(adapter, ours, ours_params, ours_opt, scheduler, latents, text, [torch.Generator().manual_seed(i)])
 
     def bare_step(i):
         g = torch.Generator(device=device).manual_seed(i)
