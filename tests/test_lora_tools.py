@@ -138,6 +138,7 @@ def kohya_rows_of(family, model_dir, module):
 
 
 # ---------------------------------------------------------------- resize
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 @pytest.mark.parametrize("layout", ["diffusers", "kohya"])
 def test_resize_error_is_the_svd_tail(layout, model, tmp_path, capsys):
     _, _, _ = peft_lora("flux", model("flux"), tmp_path)
@@ -157,6 +158,7 @@ def test_resize_error_is_the_svd_tail(layout, model, tmp_path, capsys):
     assert f"energy kept {100 * kept / total:.4f} % in total" in printed  # the squared Frobenius norms add
 
 
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model, tmp_path):
     peft_lora("flux", model("flux"), tmp_path)
     src = tmp_path / "lora_kohya.safetensors"
@@ -173,6 +175,7 @@ def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model, 
 
 
 # ---------------------------------------------------------------- merge
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 def test_merge_is_the_weighted_sum(model, tmp_path):
     d1, d2 = tmp_path / "one", tmp_path / "two"
     _, ref1, f1 = peft_lora("flux", model("flux"), d1)
@@ -264,6 +267,7 @@ def test_into_base_flux_kohya_weights_are_base_plus_delta(model, tmp_path):
         assert ((merged[k].double() - exact).abs() <= 2 * U * exact.abs()).all(), k
 
 
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model, tmp_path):
     sd15 = model("sd15")
     lora_model, _, _ = peft_lora("sd15", sd15, tmp_path, kohya=False)
@@ -307,6 +311,7 @@ def tuned(model, tmp_path_factory):
     return base, root, changes
 
 
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 def test_extract_recovers_the_low_rank_change(tuned, tmp_path, capsys):
     base_dir, tuned_dir, changes = tuned
     out = tmp_path / "x.safetensors"
