@@ -1,6 +1,7 @@
 """Test helper: diffusers pipeline folder -> original-layout (LDM / SGM) single-file state dict.
 
-The reverse of diffusers' `loaders/single_file_utils.py` converters (convert_ldm_unet_checkpoint,
+The UNet part lives in tasks/lora_tools/ldm.py (`merge --into-base --layout original` writes it). The reverse
+of diffusers' `loaders/single_file_utils.py` converters (convert_ldm_unet_checkpoint,
 convert_ldm_vae_checkpoint, convert_ldm_clip_checkpoint, convert_open_clip_checkpoint), so tests can
 make the kind of file civitai / A1111 users have (`model.diffusion_model.*`, `first_stage_model.*`,
 `cond_stage_model.transformer.text_model.*`, SDXL `conditioner.embedders.{0,1}.*`) from a tiny
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-UNET_PREFIX = "model.diffusion_model."
+from tasks.lora_tools.ldm import UNET_PREFIX, Mapper as _Mapper, unet_to_ldm  # noqa: F401 (UNET_PREFIX: re-exported)
+
 VAE_PREFIX = "first_stage_model."
 SD15_CLIP_PREFIX = "cond_stage_model.transformer.text_model."
 SDXL_CLIP_L_PREFIX = "conditioner.embedders.0.transformer.text_model."
@@ -43,85 +45,12 @@ def _component(folder: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(weights[0])
 
 
-class _Mapper:
-    """Moves tensors from a diffusers state dict to original keys; `done()` insists every one moved."""
-
-    def __init__(self, sd: dict[str, torch.Tensor], what: str):
-        self.sd, self.what, self.used, self.out = sd, what, set(), {}
-
-    def move(self, src: str, dst: str, transform=None) -> None:
-        tensor = self.sd[src]
-        self.used.add(src)
-        self.out[dst] = (transform(tensor) if transform else tensor).contiguous()
-
-    def move_prefix(self, src: str, dst: str, renames: tuple[tuple[str, str], ...] = ()) -> None:
-        """All keys starting with `src` (a module path ending in '.'), re-rooted at `dst`, with in-key renames."""
-        keys = [k for k in self.sd if k.startswith(src)]
-        if not keys:
-            raise KeyError(f"{self.what}: no keys under {src!r}")
-        for key in keys:
-            rest = key[len(src):]
-            for old, new in renames:
-                rest = rest.replace(old, new)
-            self.move(key, dst + rest)
-
-    def done(self, prefix: str) -> dict[str, torch.Tensor]:
-        left = sorted(set(self.sd) - self.used)
-        if left:
-            raise ValueError(f"{self.what}: tensors with no original-layout key: {left}")
-        return {prefix + k: v for k, v in self.out.items()}
-
-
-# diffusers ResnetBlock2D -> ldm ResBlock (UNet)
-_UNET_RESNET = (("norm1.", "in_layers.0."), ("conv1.", "in_layers.2."), ("time_emb_proj.", "emb_layers.1."),
-                ("norm2.", "out_layers.0."), ("conv2.", "out_layers.3."), ("conv_shortcut.", "skip_connection."))
 # diffusers ResnetBlock2D -> ldm ResnetBlock (VAE): same names but the shortcut
 _VAE_RESNET = (("conv_shortcut.", "nin_shortcut."),)
 
 
 def _unet(folder: Path) -> dict[str, torch.Tensor]:
-    config, sd = _component(folder, "unet")
-    m = _Mapper(sd, "unet")
-    for d, o in (("time_embedding.linear_1", "time_embed.0"), ("time_embedding.linear_2", "time_embed.2"),
-                 ("conv_in", "input_blocks.0.0"), ("conv_norm_out", "out.0"), ("conv_out", "out.2")):
-        for p in ("weight", "bias"):
-            m.move(f"{d}.{p}", f"{o}.{p}")
-    if config.get("addition_embed_type") == "text_time":  # SDXL: pooled text + size/crop embedding
-        for d, o in (("add_embedding.linear_1", "label_emb.0.0"), ("add_embedding.linear_2", "label_emb.0.2")):
-            for p in ("weight", "bias"):
-                m.move(f"{d}.{p}", f"{o}.{p}")
-    elif config.get("addition_embed_type") or config.get("class_embed_type"):
-        raise NotImplementedError("unet with class/addition embeddings other than SDXL's text_time")
-
-    layers, n = config["layers_per_block"], len(config["block_out_channels"])
-    if not isinstance(layers, int):
-        raise NotImplementedError("per-block layers_per_block")
-    # input_blocks: 0 = conv_in, then per level `layers` (resnet[, attention]) + one downsampler (not the last level)
-    for b in range(n):
-        for j in range(layers):
-            i = 1 + b * (layers + 1) + j
-            m.move_prefix(f"down_blocks.{b}.resnets.{j}.", f"input_blocks.{i}.0.", _UNET_RESNET)
-            if any(k.startswith(f"down_blocks.{b}.attentions.{j}.") for k in sd):
-                m.move_prefix(f"down_blocks.{b}.attentions.{j}.", f"input_blocks.{i}.1.")
-        if b < n - 1:
-            m.move_prefix(f"down_blocks.{b}.downsamplers.0.conv.",
-                          f"input_blocks.{1 + b * (layers + 1) + layers}.0.op.")
-    m.move_prefix("mid_block.resnets.0.", "middle_block.0.", _UNET_RESNET)
-    m.move_prefix("mid_block.attentions.0.", "middle_block.1.")
-    m.move_prefix("mid_block.resnets.1.", "middle_block.2.", _UNET_RESNET)
-    # output_blocks: per level `layers + 1` (resnet[, attention]), the level's last one also holds the upsampler
-    for b in range(n):
-        for j in range(layers + 1):
-            i = b * (layers + 1) + j
-            m.move_prefix(f"up_blocks.{b}.resnets.{j}.", f"output_blocks.{i}.0.", _UNET_RESNET)
-            has_attention = any(k.startswith(f"up_blocks.{b}.attentions.{j}.") for k in sd)
-            if has_attention:
-                m.move_prefix(f"up_blocks.{b}.attentions.{j}.", f"output_blocks.{i}.1.")
-        if b < n - 1:
-            m.move_prefix(f"up_blocks.{b}.upsamplers.0.conv.",
-                          f"output_blocks.{b * (layers + 1) + layers}.{2 if has_attention else 1}.conv.")
-    # Transformer2DModel / BasicTransformerBlock keep their names in the original layout (SpatialTransformer).
-    return m.done(UNET_PREFIX)
+    return unet_to_ldm(*_component(folder, "unet"))
 
 
 def _vae(folder: Path) -> dict[str, torch.Tensor]:

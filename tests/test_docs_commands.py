@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = REPO / ".venv" / "bin"
 PYTHONS = {".venv/bin/python", "python", "python3"}
-CONSOLE = {"loraflow", "loraflow-explain", "prefect", "pip", "tensorboard", "accelerate"}
+CONSOLE = {"loraflow", "loraflow-explain", "loraflow-lora", "prefect", "pip", "tensorboard", "accelerate"}
 PROGRAMS = PYTHONS | CONSOLE | {"make", "export"}
 SECTIONS = ("model", "data", "train", "sample", "text", "export", "store", "runner")
 TRAIN_MODULES = {"flows.train": "loraflow", "flows.explain": "loraflow-explain"}
@@ -313,6 +313,23 @@ def _importable(module: str) -> bool:
         sys.path.remove(str(REPO))
 
 
+def _check_lora_tools(cmd: Command, args: list[str]) -> str:
+    """pyproject.toml installs it as tasks.lora_tools.cli:main (a .venv made before that has no such script
+    until `make install` reinstalls, which `make test` does), and the arguments parse with its own parsers.
+    tests/test_lora_tools.py::test_the_docs_commands_run runs the docs' lines on the tiny Flux's files."""
+    from tasks.lora_tools.cli import parse
+    from tasks.lora_tools.formats import LoraToolError
+
+    where = f"{cmd.origin}: {cmd}"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts.get("loraflow-lora") == "tasks.lora_tools.cli:main", f"{where}: pyproject.toml does not install it"
+    try:
+        parse(args)
+    except LoraToolError as e:
+        raise AssertionError(f"{where}: {e}") from None
+    return "checked"
+
+
 def check(cmd: Command, sandbox: Path) -> str:
     """'ran' or 'checked'; an AssertionError naming the command's origin if it would not work."""
     where = f"{cmd.origin}: {cmd}"
@@ -344,6 +361,8 @@ def check(cmd: Command, sandbox: Path) -> str:
             assert target in targets, f"{where}: no Makefile target {target} (targets: {sorted(targets)})"
         return "checked"
     assert program in CONSOLE, f"{where}: {program} is no command this test knows how to check"
+    if program == "loraflow-lora":
+        return _check_lora_tools(cmd, args)
     assert (BIN / program).exists(), f"{where}: no {program} in .venv/bin"
     if program in ("loraflow", "loraflow-explain"):  # ours: pyproject.toml names it, and what it names exists
         scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]

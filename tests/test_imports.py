@@ -23,6 +23,8 @@ LAYERS = {
     # (and name prompts as validate plans them, texts as cache_text keys them)
     "tasks.training": ("tasks.store", "tasks.config", "tasks.runtime", "tasks.data", "tasks.models",
                        "tasks.items", "tasks.sample", "tasks.cache_text", "tasks.validate"),
+    # loraflow-lora: LoRA files (training.export's names and writer) and base models (the families' classes)
+    "tasks.lora_tools": ("tasks.training", "tasks.models"),
 }
 NEVER = {  # importer prefix -> what it must never import, whatever the layers say
     "tasks": ("flows", "hydra_plugins", "prefect"),  # the pure core runs without Prefect

@@ -353,6 +353,11 @@ def save_diffusers(path, src) -> Path:
     return _write(path, *bake_alpha(tensors, metadata))
 
 
+def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """`_write` for the LoRA tools (tasks/lora_tools): their files are written the same atomic, canonical way."""
+    return _write(path, tensors, metadata)
+
+
 def _write(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """Atomic, canonical write: a crash leaves the old file or the new one, never a truncated file that a UI
     would try to load; the same tensors and metadata give the same bytes."""

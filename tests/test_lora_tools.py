@@ -1,0 +1,437 @@
+"""tasks/lora_tools (`loraflow-lora`): resize, merge, convert, extract and merge --into-base, on real files of the
+tiny models, checked against maths done here independently (float64, from the PEFT state dict the files were
+made from, or from the files' tensors read with safetensors alone).
+
+Tolerances, all from the float32 unit roundoff u = 2**-24 (a float32 rounding of x is within u*|x|):
+- a scale folded into a factor (up' = fl(s * up)) moves each delta entry by at most u * s * (|up| @ |down|):
+  `fold_bound`; the tools' other steps on files (padding, fusing, splitting, concatenating) copy bytes;
+- a float64 SVD result stored as float32 factors U sqrt(S), sqrt(S) V^T moves the product by at most
+  2u * ||U sqrt(S)||_F * ||sqrt(S) V^T||_F = 2u * sum(kept singular values) in Frobenius norm (first order);
+  twice that is allowed for the second-order term and the float64 arithmetic (about 1e-16 relative);
+- a weight merged into the model is one float32 rounding of a float64 sum: within u * |W + delta| (twice that
+  for the float64 sum's own rounding);
+- two forward passes of the same maths in another order (LoRA applied vs merged): tests/tolerance.py's
+  rounding(), counted from the model's own Linears and Convs (`sums`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tasks.lora_tools import cli
+from tasks.models import adapter_class
+from tasks.models.tiny import build_tiny_flux
+from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl
+from tasks.models.tiny_llm_families import build_tiny_zimage
+from tasks.models.zimage import ZImageAdapter
+from tasks.training.export import kohya_metadata, kohya_rows, save_kohya
+from tolerance import assert_close, rounding, sums
+
+REPO = Path(__file__).resolve().parents[1]
+U = torch.finfo(torch.float32).eps / 2
+RANK, ALPHA = 4, 3.0  # alpha/rank = 0.75; a second LoRA uses alpha 5 (1.25) and rank 2
+BUILD = {"flux": build_tiny_flux, "sd15": build_tiny_sd15, "sdxl": build_tiny_sdxl, "zimage": build_tiny_zimage}
+_ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
+TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
+                            "proj_mlp", "proj_out"],
+           "sd15": _ATTN, "sdxl": _ATTN,
+           "zimage": ZImageAdapter.LORA_TARGETS}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = BUILD[family](tmp_path_factory.mktemp(family) / "model")
+        return cache[family]
+    return get
+
+
+def denoiser(family, model_dir):
+    a = adapter_class(family)
+    return a.denoiser_cls.from_pretrained(model_dir, subfolder=a.denoiser_subfolder)
+
+
+def peft_lora(family, model_dir, out: Path, targets=None, rank=RANK, alpha=ALPHA, seed=1, kohya=True):
+    """A trained-looking PEFT LoRA (PEFT starts B at zero: B drawn here) written as loraflow writes it before
+    export: the diffusers file with its peft config, and (kohya=True) the kohya export. Returns (the model with
+    the adapter, {diffusers module: float64 delta}, {module: (A, B, scale)})."""
+    den = denoiser(family, model_dir)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or TARGETS[family])
+    den.add_adapter(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    sd = get_peft_model_state_dict(den)
+    a = adapter_class(family)
+    a.pipeline_cls.save_lora_weights(out, **{f"{a.denoiser_subfolder}_lora_layers": sd,
+                                             f"{a.denoiser_subfolder}_lora_adapter_metadata": config.to_dict()})
+    if kohya:
+        save_kohya(out / "lora_kohya.safetensors", family, sd, rank, alpha, kohya_metadata(family, rank, alpha))
+    factors = {k[: -len(".lora_A.weight")]: (v, sd[k.replace("lora_A", "lora_B")], alpha / rank)
+               for k, v in sd.items() if k.endswith(".lora_A.weight")}
+    return den, {m: s * (b.double() @ a_.double()) for m, (a_, b, s) in factors.items()}, factors
+
+
+def read(path) -> dict:
+    """{module: (down, up, scale)} of a LoRA file, read with safetensors alone (independent of the tools)."""
+    t = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    out = {}
+    for k in t:
+        if k.endswith(".lora_down.weight"):
+            m = k[: -len(".lora_down.weight")]
+            down = t[k]
+            out[m] = (down, t[f"{m}.lora_up.weight"], t[f"{m}.alpha"].item() / down.shape[0])
+        elif k.endswith(".lora_A.weight"):
+            m = k[: -len(".lora_A.weight")]
+            c = {k2.split(".", 1)[1]: v for k2, v in json.loads(meta.get("lora_adapter_metadata", "{}")).items()
+                 if k2.startswith(m.split(".")[0] + ".")}
+            # the tools write scale 1 (lora_alpha = r, alpha_pattern = rank_pattern); inputs have one r and alpha
+            assert c.get("alpha_pattern", {}) == c.get("rank_pattern", {})
+            out[m] = (t[k], t[f"{m}.lora_B.weight"], c["lora_alpha"] / c["r"] if c and not c.get("rank_pattern")
+                      else 1.0)
+    return out
+
+
+def deltas(path) -> dict:
+    return {m: s * (up.double() @ down.double()) for m, (down, up, s) in read(path).items()}
+
+
+def fold_bound(factors: dict, weights=None) -> dict:
+    """u * |w s| * (|up| @ |down|) per module: what folding w*s into up (one float32 rounding) may change."""
+    return {m: U * abs((weights or {}).get(m, 1.0) * s) * (b.double().abs() @ a.double().abs())
+            for m, (a, b, s) in factors.items()}
+
+
+def assert_deltas(actual: dict, expected: dict, bound: dict, what: str):
+    assert actual.keys() == expected.keys(), f"{what}: modules {sorted(set(actual) ^ set(expected))[:6]}"
+    for m in expected:
+        diff = (actual[m] - expected[m]).abs()
+        assert (diff <= 2 * bound[m]).all(), f"{what}: {m} off by {diff.max():.3e} (bound {bound[m].max():.3e})"
+
+
+def run(*argv) -> int:
+    return cli.main([str(a) for a in argv])
+
+
+def kohya_rows_of(family, model_dir, module):
+    """The diffusers Linears of a kohya module (export.kohya_rows on the model's own Linear names)."""
+    names = [n for n, m in denoiser(family, model_dir).named_modules() if isinstance(m, torch.nn.Linear)]
+    return kohya_rows(family, names)[module.removeprefix("lora_unet_")]
+
+
+# ---------------------------------------------------------------- resize
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
+@pytest.mark.parametrize("layout", ["diffusers", "kohya"])
+def test_resize_error_is_the_svd_tail(layout, model, tmp_path, capsys):
+    _, _, _ = peft_lora("flux", model("flux"), tmp_path)
+    src = tmp_path / ("pytorch_lora_weights.safetensors" if layout == "diffusers" else "lora_kohya.safetensors")
+    before = deltas(src)
+    assert run("resize", src, tmp_path / "r2.safetensors", "--rank", 2) == 0
+    printed = capsys.readouterr().out
+    after, factors = deltas(tmp_path / "r2.safetensors"), read(tmp_path / "r2.safetensors")
+    assert after.keys() == before.keys()
+    kept = total = 0.0
+    for m, d in before.items():
+        s = torch.linalg.svdvals(d)
+        assert factors[m][0].shape[0] == 2 and factors[m][2] == 1.0  # rank 2, alpha = rank
+        err, tail = (after[m] - d).norm().item(), s[2:].square().sum().sqrt().item()
+        assert abs(err - tail) <= 4 * U * s[:2].sum().item(), f"{m}: error {err} != dropped {tail}"
+        kept, total = kept + s[:2].square().sum().item(), total + s.square().sum().item()
+    assert f"energy kept {100 * kept / total:.4f} % in total" in printed  # the squared Frobenius norms add
+
+
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
+def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model, tmp_path):
+    peft_lora("flux", model("flux"), tmp_path)
+    src = tmp_path / "lora_kohya.safetensors"
+    before = deltas(src)
+    for alpha in (None, 16.0):  # --rank above every module's rank: each keeps its own (the fused qkv: 12)
+        out = tmp_path / f"full_{alpha}.safetensors"
+        assert run("resize", src, out, "--rank", 64, *(["--alpha", alpha] if alpha else [])) == 0
+        after, factors = deltas(out), read(out)
+        for m, d in before.items():
+            assert factors[m][0].shape[0] == read(src)[m][0].shape[0]
+            assert factors[m][2] * factors[m][0].shape[0] == (alpha or factors[m][0].shape[0])  # the alpha asked
+            bound = 4 * U * torch.linalg.svdvals(d).sum().item()
+            assert (after[m] - d).abs().max().item() <= bound, m
+
+
+# ---------------------------------------------------------------- merge
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
+def test_merge_is_the_weighted_sum(model, tmp_path):
+    d1, d2 = tmp_path / "one", tmp_path / "two"
+    _, ref1, f1 = peft_lora("flux", model("flux"), d1)
+    # another rank, alpha and target set: some modules are only in one file
+    _, ref2, f2 = peft_lora("flux", model("flux"), d2, targets=["to_q", "to_k", "ff.net.2"], rank=2, alpha=5.0,
+                            seed=2, kohya=False)
+    w1, w2 = 0.7, -0.4
+    out = tmp_path / "merged.safetensors"
+    # the first LoRA as its kohya file: converted to the output's (diffusers) layout on the way
+    assert run("merge", d1 / "lora_kohya.safetensors", d2 / "pytorch_lora_weights.safetensors",
+               "--weights", f"{w1},{w2}", out, "--format", "diffusers") == 0
+    in_kohya = {m: d for m, d in ref1.items() if m != "proj_out"}  # the kohya file leaves proj_out out (export.py)
+    expected = {f"transformer.{m}": w1 * in_kohya.get(m, 0) + w2 * ref2.get(m, 0) for m in {*in_kohya, *ref2}}
+    b1 = fold_bound({m: f for m, f in f1.items() if m in in_kohya}, {m: w1 for m in f1})
+    b2 = fold_bound(f2, {m: w2 for m in f2})
+    bound = {f"transformer.{m}": b1.get(m, 0) + b2.get(m, 0) for m in {*in_kohya, *ref2}}
+    assert_deltas(deltas(out), expected, bound, "merge")
+    ranks = {m: a.shape[0] for m, (a, _, _) in read(out).items()}
+    assert ranks["transformer.transformer_blocks.0.attn.to_q"] == RANK + 2  # ranks concatenated
+    assert ranks["transformer.transformer_blocks.0.attn.to_v"] == RANK
+
+    # diffusers reads the mixed ranks (rank_pattern) at scale 1: its LoRA layers hold the file's delta
+    flux = denoiser("flux", model("flux"))
+    pipe_cls = adapter_class("flux").pipeline_cls
+    state_dict, alphas, metadata = pipe_cls.lora_state_dict(str(out), return_alphas=True, return_lora_metadata=True)
+    pipe_cls.load_lora_into_transformer(state_dict, alphas, transformer=flux, metadata=metadata)
+    for m, d in expected.items():
+        layer = flux.get_submodule(m.removeprefix("transformer."))
+        (name,) = layer.lora_A.keys()
+        got = layer.scaling[name] * (layer.lora_B[name].weight.double() @ layer.lora_A[name].weight.double())
+        assert ((got - d).abs() <= 2 * bound[m]).all(), m
+
+    # --rank re-compresses the merged delta M. The tools truncate M' (M with its scales folded in: M' - M is
+    # within the fold bound), so the error to M lies in [tail(M), tail(M) + 2 ||M' - M||_F] (Eckart-Young and
+    # Weyl), plus the stored factors' rounding (2u * sum of the kept singular values, twice for safety).
+    small = tmp_path / "merged_r3.safetensors"
+    assert run("merge", d1 / "pytorch_lora_weights.safetensors", d2 / "pytorch_lora_weights.safetensors",
+               "--weights", f"{w1},{w2}", "--rank", 3, small) == 0
+    b1 = fold_bound(f1, {m: w1 for m in f1})
+    for m, d in deltas(small).items():
+        m = m.removeprefix("transformer.")
+        target = w1 * ref1.get(m, 0) + w2 * ref2.get(m, 0)
+        s = torch.linalg.svdvals(target)
+        tail, err = s[3:].square().sum().sqrt().item(), (d - target).norm().item()
+        folded = 2 * (b1.get(m, torch.zeros(1)) + b2.get(m, torch.zeros(1))).norm().item()
+        assert -4 * U * s[:3].sum().item() <= err - tail <= 2 * folded + 4 * U * s[:3].sum().item(), m
+
+
+# ---------------------------------------------------------------- kohya <-> diffusers
+@pytest.mark.parametrize("family", ["flux", "sdxl", "zimage"])
+def test_kohya_diffusers_round_trip(family, model, tmp_path):
+    _, ref, factors = peft_lora(family, model(family), tmp_path)
+    kohya = tmp_path / "lora_kohya.safetensors"
+    if family == "flux":  # the kohya file leaves out the top-level proj_out (export.py)
+        ref, factors = ({m: v for m, v in x.items() if m != "proj_out"} for x in (ref, factors))
+    prefix = adapter_class(family).denoiser_subfolder + "."
+    # the family comes from the kohya file's ss_base_model_version; the names from the family's widest layout
+    assert run("convert", kohya, tmp_path / "d.safetensors", "--format", "diffusers") == 0
+    got = read(tmp_path / "d.safetensors")
+    assert {m: a.shape[0] for m, (a, _, _) in got.items()} == {prefix + m: RANK for m in ref}  # trained rank back
+    bound = {prefix + m: b for m, b in fold_bound(factors).items()}
+    assert_deltas(deltas(tmp_path / "d.safetensors"), {prefix + m: d for m, d in ref.items()}, bound, family)
+
+    assert run("convert", tmp_path / "d.safetensors", tmp_path / "k.safetensors", "--format", "kohya",
+               "--model", model(family)) == 0  # the family from the file's metadata, the names from the model
+    original, back = deltas(kohya), deltas(tmp_path / "k.safetensors")
+    k_factors = read(kohya)
+    assert_deltas(back, original, fold_bound(k_factors), f"{family} back to kohya")
+    with safe_open(str(tmp_path / "k.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_model_version"] == kohya_metadata(family, 1, 1)["ss_base_model_version"]
+
+
+# ---------------------------------------------------------------- into the base model
+def test_into_base_flux_kohya_weights_are_base_plus_delta(model, tmp_path):
+    flux_dir = model("flux")
+    _, ref, factors = peft_lora("flux", flux_dir, tmp_path)
+    out, w = tmp_path / "merged.safetensors", 0.8
+    assert run("merge", tmp_path / "lora_kohya.safetensors", "--into-base", flux_dir, "--weight", w, out) == 0
+    base = load_file(flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    merged = FluxTransformer2DModel.from_single_file(str(out), config=str(flux_dir), subfolder="transformer",
+                                                     local_files_only=True).state_dict()
+    assert merged.keys() == base.keys()
+    changed = {f"{m}.weight" for m in ref if m != "proj_out"}  # the kohya file has no proj_out
+    for k, v in base.items():
+        if k not in changed:
+            assert torch.equal(merged[k], v), k
+            continue
+        exact = v.double() + w * ref[k[: -len(".weight")]]
+        assert ((merged[k].double() - exact).abs() <= 2 * U * exact.abs()).all(), k
+
+
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
+def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model, tmp_path):
+    sd15 = model("sd15")
+    lora_model, _, _ = peft_lora("sd15", sd15, tmp_path, kohya=False)
+    out = tmp_path / "merged.safetensors"
+    assert run("merge", tmp_path / "pytorch_lora_weights.safetensors", "--into-base", sd15, "--layout", "original",
+               out) == 0
+    assert all(k.startswith("model.diffusion_model.") for k in load_file(out))  # A1111's UNet keys
+    merged = UNet2DConditionModel.from_single_file(str(out), config=str(sd15), subfolder="unet",
+                                                   local_files_only=True)
+    gen = torch.Generator().manual_seed(0)
+    cfg = merged.config
+    x = torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=gen)
+    text = torch.randn(1, 7, cfg.cross_attention_dim, generator=gen)
+    with torch.no_grad():
+        got = merged(x, 500, text).sample
+        want = lora_model(x, 500, text).sample
+        plain = denoiser("sd15", sd15)(x, 500, text).sample
+    bound = sums(merged)
+    assert (want - plain).abs().max() > rounding(**bound, magnitude=want.abs().max().item()), "LoRA changes nothing"
+    assert_close(got, want, **bound, what="merged UNet vs LoRA-applied UNet")
+
+
+# ---------------------------------------------------------------- extract
+@pytest.fixture(scope="module")
+def tuned(model, tmp_path_factory):
+    """A copy of the tiny Flux with known rank-2 changes to some Linears: fused-group members (q, k but not v;
+    the single block's proj_mlp), a plain one, and two with no kohya name (norm_out.linear, proj_out)."""
+    base = model("flux")
+    root = tmp_path_factory.mktemp("tuned") / "model"
+    shutil.copytree(base, root)
+    file = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights, gen, changes = load_file(file), torch.Generator().manual_seed(3), {}
+    for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.ff.net.2",
+              "single_transformer_blocks.0.proj_mlp", "norm_out.linear", "proj_out"):
+        w = weights[f"{m}.weight"]
+        d = 0.05 * (torch.randn(w.shape[0], 2, generator=gen, dtype=torch.float64)
+                    @ torch.randn(2, w.shape[1], generator=gen, dtype=torch.float64))
+        weights[f"{m}.weight"] = (w.double() + d).to(torch.float32)
+        changes[m] = d
+    save_file(weights, file)
+    return base, root, changes
+
+
+@pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
+def test_extract_recovers_the_low_rank_change(tuned, tmp_path, capsys):
+    base_dir, tuned_dir, changes = tuned
+    out = tmp_path / "x.safetensors"
+    assert run("extract", "--base", base_dir, "--tuned", tuned_dir, "--rank", 2, "--format", "diffusers", out,
+               "--device", "cpu") == 0
+    got = deltas(out)
+    assert got.keys() == {f"transformer.{m}" for m in changes}  # unchanged Linears are not in the LoRA
+    base = load_file(base_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    tuned_w = load_file(tuned_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    bounds = {}
+    for m, d in changes.items():
+        stored = tuned_w[f"{m}.weight"].double() - base[f"{m}.weight"].double()
+        s = torch.linalg.svdvals(stored)
+        n = min(stored.shape)
+        bounds[m] = (2 * ((stored - d).norm() + U * stored.norm()).item()  # the files' rounding, and the subtraction's
+                     + 2 * rounding(n, magnitude=s[0].item()) + 4 * U * s[:2].sum().item())
+        assert (got[f"transformer.{m}"] - d).abs().max().item() <= bounds[m], m
+    assert "energy kept" in capsys.readouterr().out
+
+    # single files in diffusers' key layout: the same LoRA (the family names the layout)
+    single = tmp_path / "single.safetensors"
+    assert run("extract", "--base", base_dir / "transformer" / "diffusion_pytorch_model.safetensors", "--tuned",
+               tuned_dir / "transformer" / "diffusion_pytorch_model.safetensors", "--family", "flux", "--rank", 2,
+               "--format", "diffusers", single, "--device", "cpu") == 0
+    assert all(torch.equal(a, b) for a, b in zip(load_file(single).values(), load_file(out).values()))
+
+    # kohya: Flux's fused Linears (qkv: v untouched; linear1: the mlp slot only); no kohya name: left out
+    k = tmp_path / "k.safetensors"
+    assert run("extract", "--base", base_dir, "--tuned", tuned_dir, "--rank", 2, k, "--device", "cpu") == 0
+    assert "no kohya name" in capsys.readouterr().err
+    got = deltas(k)
+    assert set(got) == {"lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_img_mlp_2",
+                        "lora_unet_single_blocks_0_linear1"}
+    for name, d in got.items():
+        rows = kohya_rows_of("flux", base_dir, name)
+        want = torch.cat([changes.get(r, torch.zeros(base[f"{r}.weight"].shape, dtype=torch.float64)) for r in rows])
+        assert (d - want).abs().max().item() <= max(bounds[r] for r in rows if r in changes), name
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, no file
+@pytest.fixture(scope="module")
+def files(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    peft_lora("flux", model("flux"), root)
+    kohya = load_file(root / "lora_kohya.safetensors")
+    key = "lora_unet_double_blocks_0_img_mlp_2.lora_down.weight"
+    wide = dict(kohya, **{key: torch.zeros(kohya[key].shape[0], kohya[key].shape[1] + 1)})
+    save_file(wide, root / "wide.safetensors", metadata=kohya_metadata("flux", RANK, ALPHA))
+    save_file(dict(kohya, **{key: kohya[key][:3]}), root / "ranks.safetensors")
+    save_file({"lora_unet_x.hada_w1_a": torch.zeros(2, 2)}, root / "loha.safetensors")
+    (root / "text.safetensors").write_text("not a tensor file\n")
+    (root / "model.ckpt").write_bytes(b"\x80\x04pickle")
+    return root
+
+
+BAD = {  # argv (with {root}, {flux}, {sd15}) -> what the one line must say
+    "missing file": ("resize {root}/nope.safetensors {out} --rank 2", "no such file"),
+    "not safetensors": ("resize {root}/text.safetensors {out} --rank 2", "not a safetensors file"),
+    "pickle": ("resize {root}/model.ckpt {out} --rank 2", "pickle"),
+    "not a LoRA": ("resize {flux}/transformer/diffusion_pytorch_model.safetensors {out} --rank 2", "not a LoRA"),
+    "unknown format": ("convert {root}/loha.safetensors {out} --format kohya", "LoHa"),
+    "ranks in a module": ("resize {root}/ranks.safetensors {out} --rank 2", "ranks must match"),
+    "rank 0": ("resize {root}/lora_kohya.safetensors {out} --rank 0", "--rank"),
+    "weights count": ("merge {root}/lora_kohya.safetensors {root}/wide.safetensors --weights 1 {out}", "--weights"),
+    "unknown family": ("convert {root}/pytorch_lora_weights.safetensors {out} --format kohya", "--family"),
+    "bad family name": ("convert {root}/pytorch_lora_weights.safetensors {out} --format kohya --family sd2",
+                        "--family"),
+    "wrong family": ("convert {root}/lora_kohya.safetensors {out} --format diffusers --family sdxl", "sdxl"),
+    "shapes between files": ("merge {root}/lora_kohya.safetensors {root}/wide.safetensors {out}", "different models"),
+    "shapes against base": ("merge {root}/wide.safetensors --into-base {flux} {out}", "another model"),
+    "other model's LoRA": ("merge {root}/lora_kohya.safetensors --into-base {sd15} {out}", "not the same"),
+    "layout": ("merge {root}/lora_kohya.safetensors --into-base {flux} --layout original {out}", "sd15 and sdxl"),
+    "two families": ("extract --base {flux} --tuned {sd15} --rank 2 {out}", "one family"),
+    "nothing to extract": ("extract --base {flux} --tuned {flux} --rank 2 {out}", "nothing to extract"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_exit_2(case, files, model, tmp_path):
+    argv, says = BAD[case]
+    out = tmp_path / "out" / "x.safetensors"
+    args = argv.format(root=files, flux=model("flux"), sd15=model("sd15"), out=out).split()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tasks.lora_tools", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("loraflow-lora: error: ") and says in lines[0], lines[0]
+    assert not out.parent.exists() or not any(out.parent.iterdir())  # nothing written, not even a temporary file
+
+
+def test_a_crash_or_ctrl_c_while_writing_leaves_no_file(files, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "x.safetensors"
+
+    def interrupted(*args, **kwargs):
+        Path(args[1]).write_bytes(b"half a file")  # as if save_file had written part of it
+        raise KeyboardInterrupt
+    monkeypatch.setattr("safetensors.torch.save_file", interrupted)
+    assert run("resize", files / "lora_kohya.safetensors", out, "--rank", 2) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the docs' commands run
+def _doc_commands() -> list[list[str]]:
+    from test_docs_commands import COMMANDS
+
+    return [c.argv for c in COMMANDS if c.origin.startswith("docs/lora-files.md") and c.argv[:1] == ["loraflow-lora"]]
+
+
+def test_the_docs_commands_run(model, tuned, tmp_path, monkeypatch):
+    """docs/lora-files.md's loraflow-lora lines, run as written in a folder holding the files they name."""
+    commands = _doc_commands()
+    assert {c[1] for c in commands} == {"resize", "merge", "convert", "extract"}
+    peft_lora("flux", model("flux"), tmp_path)
+    peft_lora("flux", model("flux"), tmp_path / "two", seed=2, kohya=False)
+    shutil.copy(tmp_path / "lora_kohya.safetensors", tmp_path / "style.safetensors")
+    shutil.copy(tmp_path / "two" / "pytorch_lora_weights.safetensors", tmp_path / "subject.safetensors")
+    os.symlink(tuned[0], tmp_path / "base_model")
+    os.symlink(tuned[1], tmp_path / "tuned_model")
+    monkeypatch.chdir(tmp_path)
+    for argv in commands:
+        assert cli.main(argv[1:]) == 0, " ".join(argv)
