@@ -55,15 +55,24 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "k
             ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"],
             **te_lr)
         denoiser, text_encoders = split_text_encoders(st.load_file(lora["lora"]))
+        base = _base_weights(cfg, plan) if tc.get("network") == "dora" else None  # each module's dora_scale
         with store.tmp_dir("publish") as tmp:
             if layout == "comfyui":
                 path = export.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan["family"], denoiser,
-                                           tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"})
+                                           tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"}, base)
             else:
                 path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
-                                         alpha, metadata, text_encoders)
+                                         alpha, metadata, text_encoders, base)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(KOHYA_KIND, key)
+
+
+def _base_weights(cfg: dict, plan: dict):
+    """module name -> the base denoiser's weight, loaded as training loads it (folder or single file)."""
+    from tasks.models import make_adapter
+
+    modules = dict(make_adapter(cfg["model"], plan["model_dir"]).load_denoiser().named_modules())
+    return lambda name: modules[name].weight.detach()
 
 
 def diffusers_file(store: Store, lora: dict) -> Path:
@@ -88,8 +97,8 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
     # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
     # LoRA in ComfyUI's own layout (export.to_comfyui)
-    if cfg["train"].get("network", "lora") == "dora":
-        pass  # no kohya layout holds DoRA's magnitude yet (docs/lora-files.md): the diffusers file only
+    if cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
+        pass  # the text encoders' DoRA has no kohya layout (tasks/validate.py): the diffusers file only
     elif "kohya" in files and export.comfyui_loads_kohya(plan["family"]):
         files["comfyui"] = files["kohya"]
     else:

@@ -244,10 +244,11 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
         errors.append(f"train.network={tc['network']}: diffusers' load_lora_weights for the {family} pipeline reads "
                       "no peft LoHa/LoKr file, so neither sampling nor the exported file would work; use "
                       "train.network=lora or dora")
-    if tc["network"] == "dora" and cfg["export"]["format"] != "diffusers":
-        errors.append(f"train.network=dora with export.format={cfg['export']['format']}: the kohya file holds plain "
-                      "LoRA pairs only (no DoRA magnitude); set export.format=diffusers (read by diffusers' "
-                      "load_lora_weights)")
+    if tc["network"] == "dora" and tc.get("text_encoder_lr") is not None and cfg["export"]["format"] != "diffusers":
+        # the kohya/ComfyUI files carry the denoiser's DoRA as dora_scale; the text encoders' have no writer here
+        errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "
+                      "the text encoders' DoRA magnitudes have no kohya layout here; set export.format=diffusers "
+                      "or drop train.text_encoder_lr")
     if tc["network"] == "dora" and cfg["model"]["storage_dtype"]:
         # DoRA reads the base weight for its norm directly, past the fp8 base's autograd cast
         errors.append(f"train.network=dora with model.storage_dtype={cfg['model']['storage_dtype']}: DoRA needs the "

@@ -126,3 +126,67 @@ def test_flux2_comfyui_file_is_the_kohya_file_in_bfl_names(family, model_dirs):
     pattern = (r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_(qkv|proj)|mlp_[02])|single_blocks_\d+_linear[12])")
     assert names and all(re.fullmatch(pattern, n) for n in names), sorted(names)
     assert comfyui_loads_kohya(family)
+
+
+def _comfyui_dora(w: torch.Tensor, up, down, alpha, dora_scale) -> torch.Tensor:
+    """comfy/weight_adapter/base.py weight_decompose (v0.3.77, as quoted in index file 59820945579), strength 1:
+    a dora_scale of W's row count is on the output axis, where the norm is the BASE weight's rows (plus eps)."""
+    calc = w + alpha / down.shape[0] * (up @ down)
+    assert dora_scale.shape[0] == w.shape[0]  # the output-axis branch: the one loraflow's files use
+    return calc * (dora_scale / (w.norm(dim=1, keepdim=True) + torch.finfo(torch.float32).eps))
+
+
+@pytest.mark.parametrize("family", ["flux", "sd15", "zimage"])
+def test_dora_file_merges_in_comfyui_as_trained(family, model_dirs):
+    """train.network=dora: the kohya (Flux: fused qkv and linear1; SD1.5: UNet names) and ComfyUI (Z-Image: fused
+    qkv) files carry `dora_scale`, and ComfyUI's rule gives PEFT's weight m * (W + dW) / |W + dW| row by row."""
+    from peft import LoraConfig, get_peft_model_state_dict
+    from test_export import MERGE_TABLE
+    from test_export_clients import comfyui_unet_key_map
+
+    model_dir = model_dirs(family)
+    den = _denoiser(_load(model_dir))
+    targets = {"flux": ["to_q", "to_k", "to_v", "proj_mlp", "to_out.0"], "sd15": ["to_q", "to_k", "to_v", "to_out.0"],
+               "zimage": TARGETS["zimage"]}[family]
+    den.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, use_dora=True))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # as training leaves them: B non-zero, magnitudes moved off the base norms
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    sd = get_peft_model_state_dict(den)
+    modules = dict(den.named_modules())
+    base = lambda m: modules[m].base_layer.weight.detach()  # noqa: E731
+    file = to_comfyui(family, sd, RANK, ALPHA, base=base) if family == "zimage" else to_kohya(family, sd, RANK, ALPHA, base=base)
+
+    if family == "flux":  # the original checkpoint's Linear -> its diffusers row blocks (ComfyUI's flux_to_diffusers)
+        rows = {f"lora_unet_{k}": v for k, v in MERGE_TABLE["flux"].items()}
+    elif family == "sd15":
+        rows = {k: [v] for k, v in comfyui_unet_key_map([n for n in modules if n.endswith((".to_q", ".to_k", ".to_v", ".to_out.0"))]).items()}
+    else:
+        rows = {}
+        for key in {k.split(".")[0] for k in file}:
+            comfy = key.removeprefix("lora_unet_")
+            q = re.sub(r"_attention_qkv$", "_attention_to_", comfy)
+            names = [n for n in modules if n.replace(".", "_") in ([q + s for s in "qkv"] if q != comfy else
+                                                                     [comfy.replace("_attention_out", "_attention_to_out_0")])]
+            rows[key] = sorted(names, key=lambda n: "qkv".find(n[-1]) if q != comfy else 0)
+    got = {}
+    for key in {k.split(".")[0] for k in file}:
+        names = [n for n in rows[key] if n in modules and f"{n}.lora_A.weight" in sd]
+        assert names, key
+        w = torch.cat([base(n).double() for n in names])
+        merged = _comfyui_dora(w, file[f"{key}.lora_up.weight"].double(), file[f"{key}.lora_down.weight"].double(),
+                               file[f"{key}.alpha"].item(), file[f"{key}.dora_scale"].double())
+        got.update(zip(names, merged.split([base(n).shape[0] for n in names])))
+    trained = {k.rsplit(".lora_", 1)[0] for k in sd}
+    assert set(got) == trained, sorted(set(got) ^ trained)
+    for name in trained:
+        w = base(name).double()
+        calc = w + ALPHA / RANK * (sd[f"{name}.lora_B.weight"].double() @ sd[f"{name}.lora_A.weight"].double())
+        want = calc * (sd[f"{name}.lora_magnitude_vector"].double() / calc.norm(dim=1))[:, None]
+        # float64 throughout; the file's float32 dora_scale and factors: a few float32 roundings of the weight
+        err = (got[name] - want).abs().max().item()
+        assert err <= REL * want.abs().max().item(), (name, err)

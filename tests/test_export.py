@@ -265,4 +265,8 @@ def test_to_kohya_refuses_what_it_cannot_express():
     with pytest.raises(ValueError, match="norm_out"):  # AdaLN output has shift/scale swapped vs BFL: not mapped
         to_kohya("flux", {"norm_out.linear.lora_A.weight": a, "norm_out.linear.lora_B.weight": b}, 4, 8)
     with pytest.raises(ValueError, match="plain LoRA"):
-        to_kohya("sd3", {"transformer_blocks.0.attn.to_q.lora_magnitude_vector": a[0]}, 4, 8)
+        to_kohya("sd3", {"transformer_blocks.0.attn.to_q.lora_bias.weight": a[0]}, 4, 8)
+    dora = {"transformer_blocks.0.attn.to_q.lora_A.weight": a, "transformer_blocks.0.attn.to_q.lora_B.weight": b,
+            "transformer_blocks.0.attn.to_q.lora_magnitude_vector": b[:, 0]}
+    with pytest.raises(ValueError, match="base model's weights"):  # DoRA's dora_scale needs the base weights
+        to_kohya("sd3", dora, 4, 8)

@@ -1,6 +1,6 @@
 """LoRA variants through peft (issue 22, item 2): train.network=dora and train.rslora=true train, and the exported
 files load with the family pipeline's load_lora_weights to the trained adapter's function; loha/lokr (which
-diffusers' loaders of these pipelines do not read) and DoRA with a kohya export are refused."""
+diffusers' loaders of these pipelines do not read) are refused; DoRA's kohya file carries dora_scale."""
 from __future__ import annotations
 
 import pytest
@@ -24,8 +24,11 @@ def test_variants_refused_where_no_loader_reads_them():
     for network in ("loha", "lokr"):
         errors = validate.config_errors(_cfg(f"train.network={network}"))
         assert any(e.startswith(f"train.network={network}:") and "load_lora_weights" in e for e in errors)
-    assert any(e.startswith("train.network=dora with export.format=both")
-               for e in validate.config_errors(_cfg("train.network=dora")))
+    # DoRA exports to every format (its dora_scale: tests/test_comfyui_keys.py), but the text encoders' DoRA only
+    # to the diffusers file
+    assert not validate.config_errors(_cfg("train.network=dora"))
+    assert any(e.startswith("train.network=dora with train.text_encoder_lr and export.format=both")
+               for e in validate.config_errors(_cfg("train.network=dora", "train.text_encoder_lr=1e-5")))
     assert not validate.config_errors(_cfg("train.network=dora", "export.format=diffusers", "train.rslora=true"))
 
 
@@ -81,3 +84,19 @@ def test_exported_variant_loads_in_diffusers_as_trained(family, overrides, tmp_p
         # the adapter does something: beyond rounding
         assert any((y - base).abs().max() > rounding(width, stages=4, magnitude=base.abs().max().item())
                    for y, base in expected.values())
+
+
+def test_dora_with_the_default_export_writes_dora_scale(tmp_path):
+    """train.network=dora with export.format=both: the kohya file (ComfyUI's too) holds a dora_scale per module,
+    made from the base weights the train node loaded (their values: tests/test_comfyui_keys.py)."""
+    root = tmp_path / "store"
+    cfg = _cfg(f"store.root={root}", "model=tiny_sd15", "train.batch_size=2", "train.max_steps=1",
+               "train.log_with=none", "train.network=dora")
+    store = Store(root)
+    plan = validate.run(cfg, store)
+    latents, texts = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
+    lora = train.run(cfg, plan, store, latents["items"], texts["items"])
+    kohya = load_file(publish.kohya_file(cfg, plan, store, lora))
+    modules = {k.split(".")[0] for k in kohya}
+    assert modules and all(f"{m}.dora_scale" in kohya and kohya[f"{m}.dora_scale"].shape[1] == 1 for m in modules)
+    assert all(kohya[f"{m}.dora_scale"].shape[0] == kohya[f"{m}.lora_up.weight"].shape[0] for m in modules)

@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 
 from tasks.store.formats import canonicalize_safetensors
+from tasks.training.dora_export import dora_scales, split_dora
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -216,6 +217,18 @@ def _unet_to_kohya(family, peft_state_dict, alpha):
     return out
 
 
+def _unet_kohya_names(family, pairs, alpha) -> dict[str, list[str]]:
+    """kohya module -> [the UNet module it is]: diffusers' converter renames keys one by one, so each module's
+    name is that of a one-module file, with the SGM renaming decided on the whole set as `_unet_to_kohya` does."""
+    names = {}
+    for module, (a, b) in pairs.items():
+        one = _unet_to_kohya("sd15", {f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b}, alpha)
+        names[next(k for k in one if k.endswith(".lora_down.weight")).split(".")[0]] = module
+    if family == "sdxl" and all(_sgm_name(k) for k in names):
+        names = {_sgm_name(k): m for k, m in names.items()}
+    return {k: [m] for k, m in names.items()}
+
+
 def _named_to_kohya(pairs, alpha, prefix="lora_unet"):
     out = {}
     for module, (down, up) in pairs.items():
@@ -227,10 +240,12 @@ def _named_to_kohya(pairs, alpha, prefix="lora_unet"):
 
 
 def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float,
-             text_encoders: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+             text_encoders: dict[str, dict[str, torch.Tensor]] | None = None, base=None) -> dict[str, torch.Tensor]:
     """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict.
-    `text_encoders`: {pipeline component: its peft state dict} (train.text_encoder_lr, same rank and alpha)."""
+    `text_encoders`: {pipeline component: its peft state dict} (train.text_encoder_lr, same rank and alpha).
+    DoRA (`lora_magnitude_vector` keys): `base(module) -> its frozen weight` gives each module's `dora_scale`."""
     _check_family(family)
+    peft_state_dict, magnitudes = split_dora(peft_state_dict)
     pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
     if family in ("sdxl", "sd15"):
         out = _unet_to_kohya(family, peft_state_dict, alpha)
@@ -238,6 +253,11 @@ def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, a
         out = _named_to_kohya(pairs, alpha)
     else:
         out = _transformer_to_kohya(family, pairs, rank, alpha)
+    if magnitudes:
+        rows = (_unet_kohya_names(family, pairs, alpha) if family in ("sdxl", "sd15") else
+                {"lora_unet_" + m.replace(".", "_"): [m] for m in pairs} if family in _NAMED else
+                {"lora_unet_" + k: v for k, v in kohya_rows(family, pairs).items()})
+        out.update(dora_scales(out, rows, pairs, magnitudes, alpha / rank, base, family))
     for component, state_dict in (text_encoders or {}).items():
         prefix = _TE_PREFIX.get(family, {}).get(component)
         if prefix is None:
@@ -259,13 +279,15 @@ def comfyui_loads_kohya(family: str) -> bool:
     return _check_family(family) != "zimage"
 
 
-def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float,
+               base=None) -> dict[str, torch.Tensor]:
     """The LoRA in the names and layout ComfyUI's own model has. Z-Image: each block's q/k/v LoRAs fused exactly
     into one `attention.qkv` LoRA of rank 3 * rank (down weights stacked, up weights block-diagonal with each
     alpha / rank folded into its block, alpha = the fused rank), so ComfyUI's W_qkv += up @ down is the three
     deltas stacked; to_out.0 -> `attention.out`. Other families: their kohya layout."""
     if _check_family(family) != "zimage":
-        return to_kohya(family, peft_state_dict, rank, alpha)
+        return to_kohya(family, peft_state_dict, rank, alpha, base=base)
+    peft_state_dict, magnitudes = split_dora(peft_state_dict)
     pairs, fused, out = _pairs(peft_state_dict, rank), {}, {}
     for module, (down, up) in pairs.items():
         if m := _COMFY_ZIMAGE_QKV.fullmatch(module):
@@ -284,6 +306,9 @@ def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int,
         out[f"{name}.lora_down.weight"] = down.contiguous()
         out[f"{name}.lora_up.weight"] = up.contiguous()
         out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))
+    if magnitudes:  # the deltas ComfyUI merges are the trained ones (fused: alpha/rank folded into up)
+        rows = {"lora_unet_" + k: v for k, v in comfyui_rows(family, pairs).items()}
+        out.update(dora_scales(out, rows, pairs, magnitudes, alpha / rank, base, family))
     return out
 
 
@@ -300,9 +325,9 @@ def comfyui_rows(family: str, module_names) -> dict[str, list[str]]:
     return {name: [slots[i] for i in sorted(slots)] for name, slots in rows.items()}
 
 
-def save_comfyui(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str]) -> Path:
+def save_comfyui(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str], base=None) -> Path:
     """Write `to_comfyui(...)` with `metadata` to `path` atomically."""
-    return _write(path, to_comfyui(family, peft_state_dict, rank, alpha), metadata)
+    return _write(path, to_comfyui(family, peft_state_dict, rank, alpha, base), metadata)
 
 
 def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, str]:
@@ -316,9 +341,10 @@ def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, st
     return meta
 
 
-def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str], text_encoders=None) -> Path:
+def save_kohya(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str], text_encoders=None,
+               base=None) -> Path:
     """Write `to_kohya(...)` with `metadata` to `path` atomically."""
-    return _write(path, to_kohya(family, peft_state_dict, rank, alpha, text_encoders), metadata)
+    return _write(path, to_kohya(family, peft_state_dict, rank, alpha, text_encoders, base), metadata)
 
 
 def bake_alpha(state_dict: dict[str, torch.Tensor], metadata: dict[str, str]):
