@@ -71,7 +71,7 @@ def test_resume_is_exact_with_ema_and_the_ema_file_loads(tmp_path):
     assert Path(off["lora"]).read_bytes() == Path(straight["lora"]).read_bytes()
 
     files = published["lora_files"]
-    assert set(files) == {"diffusers", "ema"} and published["lora"] == files["diffusers"]
+    assert set(files) == {"diffusers", "comfyui", "ema"} and published["lora"] == files["diffusers"]
     assert Path(files["ema"]) == tmp_path / "run" / "lora" / "pytorch_lora_weights_ema.safetensors"
     plain_sd, ema_sd = load_file(files["diffusers"]), load_file(files["ema"])
     assert plain_sd.keys() == ema_sd.keys() and any(not torch.equal(plain_sd[k], ema_sd[k]) for k in plain_sd)
