@@ -220,7 +220,8 @@ def merge_kohya(pipe, file: Path, family: str | None = None) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from tasks.training.export import comfyui_rows, kohya_rows
+    from tasks.training.export import kohya_rows
+    from tasks.training.export_comfyui import comfyui_rows
 
     kohya = load_file(str(file))
     modules = dict(_denoiser(pipe).named_modules())

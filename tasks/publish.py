@@ -3,14 +3,14 @@
 Both exported files are derived from the stored diffusers LoRA (what training and sampling use) and are
 themselves store entries, keyed by the LoRA's key, the format and the converter's version, so each is
 converted once: the kohya file, the diffusers file with alpha/rank baked into lora_B (export.bake_alpha), and
-for Z-Image the file in ComfyUI's own layout (export.to_comfyui; for the other families the kohya file is it).
+for Z-Image the file in ComfyUI's own layout (export_comfyui.to_comfyui; for the other families the kohya file is it).
 With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers)."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from tasks.training import export
+from tasks.training import export, export_comfyui
 from tasks.training.checkpoint_samples import publish_step
 from tasks.store.hashing import key_of
 from tasks.lazy import lazy
@@ -39,7 +39,7 @@ def split_text_encoders(state_dict: dict) -> tuple[dict, dict[str, dict]]:
 
 
 def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "kohya") -> Path:
-    """The kohya file (layout "kohya"), or ComfyUI's layout of the family's model ("comfyui": export.to_comfyui)."""
+    """The kohya file (layout "kohya"), or ComfyUI's layout of the family's model ("comfyui": export_comfyui.to_comfyui)."""
     tc = cfg["train"]
     key = key_of({"lora": lora["key"], "format": layout, "code": export.CODE_VERSION})
     if not store.valid(KOHYA_KIND, key):
@@ -58,7 +58,7 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "k
         base = _base_weights(cfg, plan) if tc.get("network") == "dora" else None  # each module's dora_scale
         with store.tmp_dir("publish") as tmp:
             if layout == "comfyui":
-                path = export.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan["family"], denoiser,
+                path = export_comfyui.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan["family"], denoiser,
                                            tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"}, base)
             else:
                 path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
@@ -96,15 +96,15 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         files["kohya"] = lora_dir / "lora_kohya.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
     # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
-    # LoRA in ComfyUI's own layout (export.to_comfyui)
+    # LoRA in ComfyUI's own layout (export_comfyui.to_comfyui)
     if cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
         pass  # the text encoders' DoRA has no kohya layout (tasks/validate.py): the diffusers file only
-    elif "kohya" in files and export.comfyui_loads_kohya(plan["family"]):
+    elif "kohya" in files and export_comfyui.comfyui_loads_kohya(plan["family"]):
         files["comfyui"] = files["kohya"]
     else:
-        files["comfyui"] = lora_dir / ("lora_kohya.safetensors" if export.comfyui_loads_kohya(plan["family"])
+        files["comfyui"] = lora_dir / ("lora_kohya.safetensors" if export_comfyui.comfyui_loads_kohya(plan["family"])
                                        else "lora_comfyui.safetensors")
-        layout = "kohya" if export.comfyui_loads_kohya(plan["family"]) else "comfyui"
+        layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan["family"]) else "comfyui"
         shutil.copyfile(kohya_file(cfg, plan, store, lora, layout), files["comfyui"])
     if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout, whatever export.format
         files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"

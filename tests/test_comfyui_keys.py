@@ -26,7 +26,8 @@ import re
 import pytest
 import torch
 
-from tasks.training.export import comfyui_loads_kohya, to_comfyui, to_kohya
+from tasks.training.export import to_kohya
+from tasks.training.export_comfyui import comfyui_loads_kohya, to_comfyui
 from test_export import ALPHA, RANK, TARGETS, _denoiser, _load, _trained_lora, model_dirs  # noqa: F401
 
 # float32 products of rank-4 factors with entries of magnitude <= ~1: the merged delta and the PEFT delta are

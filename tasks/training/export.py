@@ -21,7 +21,7 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - zimage: `lora_unet_<diffusers module name, dots as underscores>` (`lora_unet_layers_0_attention_to_q`,
   `..._feed_forward_w1`): the kohya-prefixed layout of the Z-Image trainers that keep diffusers' module
   tree, which diffusers' `ZImagePipeline` converts (`_convert_non_diffusers_z_image_lora_to_diffusers`,
-  alpha applied). ComfyUI's native Z-Image names fuse q/k/v (`attention.qkv`): `to_comfyui` writes that layout.
+  alpha applied). ComfyUI's native Z-Image names fuse q/k/v (`attention.qkv`): export_comfyui.py writes that layout.
 - flux2_klein: BFL FLUX.2 names (`lora_unet_double_blocks_0_img_attn_qkv` fused as for Flux,
   `..._single_blocks_0_linear1` = diffusers' already fused `to_qkv_mlp_proj`), which diffusers'
   `Flux2KleinPipeline` converts (`_convert_kohya_flux2_lora_to_diffusers`).
@@ -120,7 +120,7 @@ _NAMED = ("zimage", "qwenimage")
 _TE_PREFIX = {"sd15": {"text_encoder": "lora_te"}, "sdxl": {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}}
 
 
-def _check_family(family: str) -> str:
+def check_family(family: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return family
@@ -132,14 +132,14 @@ def kohya_rows(family: str, module_names) -> dict[str, list[str]]:
     flux_to_diffusers map, read backwards). Families with `_RULES` only."""
     rows: dict[str, dict[int, str]] = {}
     for module in module_names:
-        for pattern, name, size in _RULES[_check_family(family)]:
+        for pattern, name, size in _RULES[check_family(family)]:
             if m := re.fullmatch(pattern, module):
                 rows.setdefault(name.format(*m.groups()[:1]), {})[_SLOT[m.group(2)] if size > 1 else 0] = module
                 break
     return {name: [slots[i] for i in sorted(slots)] for name, slots in rows.items()}
 
 
-def _pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def lora_pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """PEFT `x.lora_A.weight`/`x.lora_B.weight` -> {x: (A, B)}; anything else (DoRA, lora bias) is refused."""
     out = {}
     for key, a in sd.items():
@@ -229,7 +229,7 @@ def _unet_kohya_names(family, pairs, alpha) -> dict[str, list[str]]:
     return {k: [m] for k, m in names.items()}
 
 
-def _named_to_kohya(pairs, alpha, prefix="lora_unet"):
+def named_to_kohya(pairs, alpha, prefix="lora_unet"):
     out = {}
     for module, (down, up) in pairs.items():
         name = f"{prefix}_" + module.replace(".", "_")
@@ -244,13 +244,13 @@ def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, a
     """`get_peft_model_state_dict(denoiser)` of a `LoraConfig(r=rank, lora_alpha=alpha)` -> kohya state dict.
     `text_encoders`: {pipeline component: its peft state dict} (train.text_encoder_lr, same rank and alpha).
     DoRA (`lora_magnitude_vector` keys): `base(module) -> its frozen weight` gives each module's `dora_scale`."""
-    _check_family(family)
+    check_family(family)
     peft_state_dict, magnitudes = split_dora(peft_state_dict)
-    pairs = _pairs(peft_state_dict, rank)  # validates keys and ranks for every family
+    pairs = lora_pairs(peft_state_dict, rank)  # validates keys and ranks for every family
     if family in ("sdxl", "sd15"):
         out = _unet_to_kohya(family, peft_state_dict, alpha)
     elif family in _NAMED:
-        out = _named_to_kohya(pairs, alpha)
+        out = named_to_kohya(pairs, alpha)
     else:
         out = _transformer_to_kohya(family, pairs, rank, alpha)
     if magnitudes:
@@ -262,77 +262,13 @@ def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, a
         prefix = _TE_PREFIX.get(family, {}).get(component)
         if prefix is None:
             raise ValueError(f"{family}: no kohya name for a LoRA on {component}")
-        out.update(_named_to_kohya(_pairs(state_dict, rank), alpha, prefix))  # transformers' names, "." -> "_"
+        out.update(named_to_kohya(lora_pairs(state_dict, rank), alpha, prefix))  # transformers' names, "." -> "_"
     return out
-
-
-# ComfyUI's Z-Image model (comfy/ldm/lumina NextDiT, as Comfy-Org's z_image_convert_original_to_comfy.py and
-# comfy/utils.py's z_image_to_diffusers name it) fuses q/k/v into `attention.qkv` and calls to_out.0 `attention.out`;
-# its LoRA keys are `lora_unet_<model key>` (comfy/lora.py model_lora_keys_unet). Other renamed modules are
-# never LoRA targets (tasks/models/zimage.py LORA_TARGETS).
-_COMFY_ZIMAGE_QKV = re.compile(r"(.+\.attention)\.to_([qkv])")
-
-
-def comfyui_loads_kohya(family: str) -> bool:
-    """Whether ComfyUI's own loader maps every key of this family's kohya file (then that file is the ComfyUI
-    file): all but Z-Image, whose kohya file names diffusers' unfused q/k/v (docs/lora-files.md)."""
-    return _check_family(family) != "zimage"
-
-
-def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float,
-               base=None) -> dict[str, torch.Tensor]:
-    """The LoRA in the names and layout ComfyUI's own model has. Z-Image: each block's q/k/v LoRAs fused exactly
-    into one `attention.qkv` LoRA of rank 3 * rank (down weights stacked, up weights block-diagonal with each
-    alpha / rank folded into its block, alpha = the fused rank), so ComfyUI's W_qkv += up @ down is the three
-    deltas stacked; to_out.0 -> `attention.out`. Other families: their kohya layout."""
-    if _check_family(family) != "zimage":
-        return to_kohya(family, peft_state_dict, rank, alpha, base=base)
-    peft_state_dict, magnitudes = split_dora(peft_state_dict)
-    pairs, fused, out = _pairs(peft_state_dict, rank), {}, {}
-    for module, (down, up) in pairs.items():
-        if m := _COMFY_ZIMAGE_QKV.fullmatch(module):
-            fused.setdefault(m.group(1) + ".qkv", {})["qkv".index(m.group(2))] = (down, up)
-        else:
-            out.update(_named_to_kohya({module.replace(".to_out.0", ".out"): (down, up)}, alpha))
-    scale = alpha / rank
-    for module, slots in fused.items():
-        # a slot that was not trained (train.target_modules) adds nothing: zero rows of q's width (Z-Image's
-        # q, k and v have the same width: n_kv_heads == n_heads)
-        down0, up0 = next(iter(slots.values()))
-        parts = [slots.get(i, (torch.zeros_like(down0), torch.zeros_like(up0))) for i in range(3)]
-        down = torch.cat([d for d, _ in parts])
-        up = torch.block_diag(*[(u.double() * scale).to(u.dtype) for _, u in parts])
-        name = "lora_unet_" + module.replace(".", "_")
-        out[f"{name}.lora_down.weight"] = down.contiguous()
-        out[f"{name}.lora_up.weight"] = up.contiguous()
-        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))
-    if magnitudes:  # the deltas ComfyUI merges are the trained ones (fused: alpha/rank folded into up)
-        rows = {"lora_unet_" + k: v for k, v in comfyui_rows(family, pairs).items()}
-        out.update(dora_scales(out, rows, pairs, magnitudes, alpha / rank, base, family))
-    return out
-
-
-def comfyui_rows(family: str, module_names) -> dict[str, list[str]]:
-    """The ComfyUI file's module (without `lora_unet_`) -> the diffusers Linears of `module_names` that are its
-    row blocks, in order: `to_comfyui` read backwards, for a loader merging that file onto a diffusers model."""
-    if _check_family(family) != "zimage":
-        return kohya_rows(family, module_names)
-    rows: dict[str, dict[int, str]] = {}
-    for module in module_names:
-        m = _COMFY_ZIMAGE_QKV.fullmatch(module)
-        name = (m.group(1) + ".qkv" if m else module.replace(".to_out.0", ".out")).replace(".", "_")
-        rows.setdefault(name, {})["qkv".index(m.group(2)) if m else 0] = module
-    return {name: [slots[i] for i in sorted(slots)] for name, slots in rows.items()}
-
-
-def save_comfyui(path, family, peft_state_dict, rank, alpha, metadata: dict[str, str], base=None) -> Path:
-    """Write `to_comfyui(...)` with `metadata` to `path` atomically."""
-    return _write(path, to_comfyui(family, peft_state_dict, rank, alpha, base), metadata)
 
 
 def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, str]:
     """sd-scripts style `ss_*` metadata (safetensors metadata values must be strings)."""
-    module, version = _META[_check_family(family)]
+    module, version = _META[check_family(family)]
     meta = {"ss_network_module": module, "ss_base_model_version": version}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list, tuple)) else str(v)
                  for k, v in info.items()})
