@@ -31,17 +31,14 @@ from safetensors.torch import load_file, save_file
 
 from tasks.lora_tools import cli
 from tasks.models import adapter_class
-from tasks.models.tiny import build_tiny_flux
-from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl
-from tasks.models.tiny_llm_families import build_tiny_zimage
 from tasks.models.zimage import ZImageAdapter
 from tasks.training.export import kohya_metadata, kohya_rows, save_kohya
+from test_export import model_dirs  # noqa: F401  (the tiny models, built once per module)
 from tolerance import assert_close, rounding, sums
 
 REPO = Path(__file__).resolve().parents[1]
 U = torch.finfo(torch.float32).eps / 2
 RANK, ALPHA = 4, 3.0  # alpha/rank = 0.75; a second LoRA uses alpha 5 (1.25) and rank 2
-BUILD = {"flux": build_tiny_flux, "sd15": build_tiny_sd15, "sdxl": build_tiny_sdxl, "zimage": build_tiny_zimage}
 _ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
                             "proj_mlp", "proj_out"],
@@ -49,15 +46,6 @@ TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_ou
            "zimage": ZImageAdapter.LORA_TARGETS}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = BUILD[family](tmp_path_factory.mktemp(family) / "model")
-        return cache[family]
-    return get
 
 
 def denoiser(family, model_dir):
@@ -140,8 +128,8 @@ def kohya_rows_of(family, model_dir, module):
 # ---------------------------------------------------------------- resize
 @pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
 @pytest.mark.parametrize("layout", ["diffusers", "kohya"])
-def test_resize_error_is_the_svd_tail(layout, model, tmp_path, capsys):
-    _, _, _ = peft_lora("flux", model("flux"), tmp_path)
+def test_resize_error_is_the_svd_tail(layout, model_dirs, tmp_path, capsys):
+    _, _, _ = peft_lora("flux", model_dirs("flux"), tmp_path)
     src = tmp_path / ("pytorch_lora_weights.safetensors" if layout == "diffusers" else "lora_kohya.safetensors")
     before = deltas(src)
     assert run("resize", src, tmp_path / "r2.safetensors", "--rank", 2) == 0
@@ -159,8 +147,8 @@ def test_resize_error_is_the_svd_tail(layout, model, tmp_path, capsys):
 
 
 @pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
-def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model, tmp_path):
-    peft_lora("flux", model("flux"), tmp_path)
+def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model_dirs, tmp_path):
+    peft_lora("flux", model_dirs("flux"), tmp_path)
     src = tmp_path / "lora_kohya.safetensors"
     before = deltas(src)
     for alpha in (None, 16.0):  # --rank above every module's rank: each keeps its own (the fused qkv: 12)
@@ -176,11 +164,11 @@ def test_resize_to_full_rank_is_exact_and_alpha_is_kept_out_of_the_delta(model, 
 
 # ---------------------------------------------------------------- merge
 @pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
-def test_merge_is_the_weighted_sum(model, tmp_path):
+def test_merge_is_the_weighted_sum(model_dirs, tmp_path):
     d1, d2 = tmp_path / "one", tmp_path / "two"
-    _, ref1, f1 = peft_lora("flux", model("flux"), d1)
+    _, ref1, f1 = peft_lora("flux", model_dirs("flux"), d1)
     # another rank, alpha and target set: some modules are only in one file
-    _, ref2, f2 = peft_lora("flux", model("flux"), d2, targets=["to_q", "to_k", "ff.net.2"], rank=2, alpha=5.0,
+    _, ref2, f2 = peft_lora("flux", model_dirs("flux"), d2, targets=["to_q", "to_k", "ff.net.2"], rank=2, alpha=5.0,
                             seed=2, kohya=False)
     w1, w2 = 0.7, -0.4
     out = tmp_path / "merged.safetensors"
@@ -198,7 +186,7 @@ def test_merge_is_the_weighted_sum(model, tmp_path):
     assert ranks["transformer.transformer_blocks.0.attn.to_v"] == RANK
 
     # diffusers reads the mixed ranks (rank_pattern) at scale 1: its LoRA layers hold the file's delta
-    flux = denoiser("flux", model("flux"))
+    flux = denoiser("flux", model_dirs("flux"))
     pipe_cls = adapter_class("flux").pipeline_cls
     state_dict, alphas, metadata = pipe_cls.lora_state_dict(str(out), return_alphas=True, return_lora_metadata=True)
     pipe_cls.load_lora_into_transformer(state_dict, alphas, transformer=flux, metadata=metadata)
@@ -226,8 +214,8 @@ def test_merge_is_the_weighted_sum(model, tmp_path):
 
 # ---------------------------------------------------------------- kohya <-> diffusers
 @pytest.mark.parametrize("family", ["flux", "sdxl", "zimage"])
-def test_kohya_diffusers_round_trip(family, model, tmp_path):
-    _, ref, factors = peft_lora(family, model(family), tmp_path)
+def test_kohya_diffusers_round_trip(family, model_dirs, tmp_path):
+    _, ref, factors = peft_lora(family, model_dirs(family), tmp_path)
     kohya = tmp_path / "lora_kohya.safetensors"
     if family == "flux":  # the kohya file leaves out the top-level proj_out (export.py)
         ref, factors = ({m: v for m, v in x.items() if m != "proj_out"} for x in (ref, factors))
@@ -240,7 +228,7 @@ def test_kohya_diffusers_round_trip(family, model, tmp_path):
     assert_deltas(deltas(tmp_path / "d.safetensors"), {prefix + m: d for m, d in ref.items()}, bound, family)
 
     assert run("convert", tmp_path / "d.safetensors", tmp_path / "k.safetensors", "--format", "kohya",
-               "--model", model(family)) == 0  # the family from the file's metadata, the names from the model
+               "--model", model_dirs(family)) == 0  # the family from the file's metadata, the names from the model
     original, back = deltas(kohya), deltas(tmp_path / "k.safetensors")
     k_factors = read(kohya)
     assert_deltas(back, original, fold_bound(k_factors), f"{family} back to kohya")
@@ -249,8 +237,8 @@ def test_kohya_diffusers_round_trip(family, model, tmp_path):
 
 
 # ---------------------------------------------------------------- into the base model
-def test_into_base_flux_kohya_weights_are_base_plus_delta(model, tmp_path):
-    flux_dir = model("flux")
+def test_into_base_flux_kohya_weights_are_base_plus_delta(model_dirs, tmp_path):
+    flux_dir = model_dirs("flux")
     _, ref, factors = peft_lora("flux", flux_dir, tmp_path)
     out, w = tmp_path / "merged.safetensors", 0.8
     assert run("merge", tmp_path / "lora_kohya.safetensors", "--into-base", flux_dir, "--weight", w, out) == 0
@@ -268,8 +256,8 @@ def test_into_base_flux_kohya_weights_are_base_plus_delta(model, tmp_path):
 
 
 @pytest.mark.numerics  # LAPACK's and the forward pass's kernels: rounding-level results
-def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model, tmp_path):
-    sd15 = model("sd15")
+def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model_dirs, tmp_path):
+    sd15 = model_dirs("sd15")
     lora_model, _, _ = peft_lora("sd15", sd15, tmp_path, kohya=False)
     out = tmp_path / "merged.safetensors"
     assert run("merge", tmp_path / "pytorch_lora_weights.safetensors", "--into-base", sd15, "--layout", "original",
@@ -292,10 +280,10 @@ def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model, tm
 
 # ---------------------------------------------------------------- extract
 @pytest.fixture(scope="module")
-def tuned(model, tmp_path_factory):
+def tuned(model_dirs, tmp_path_factory):
     """A copy of the tiny Flux with known rank-2 changes to some Linears: fused-group members (q, k but not v;
     the single block's proj_mlp), a plain one, and two with no kohya name (norm_out.linear, proj_out)."""
-    base = model("flux")
+    base = model_dirs("flux")
     root = tmp_path_factory.mktemp("tuned") / "model"
     shutil.copytree(base, root)
     file = root / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -353,9 +341,9 @@ def test_extract_recovers_the_low_rank_change(tuned, tmp_path, capsys):
 
 # ---------------------------------------------------------------- bad input: one line, exit 2, no file
 @pytest.fixture(scope="module")
-def files(model, tmp_path_factory):
+def files(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
-    peft_lora("flux", model("flux"), root)
+    peft_lora("flux", model_dirs("flux"), root)
     kohya = load_file(root / "lora_kohya.safetensors")
     key = "lora_unet_double_blocks_0_img_mlp_2.lora_down.weight"
     wide = dict(kohya, **{key: torch.zeros(kohya[key].shape[0], kohya[key].shape[1] + 1)})
@@ -390,10 +378,10 @@ BAD = {  # argv (with {root}, {flux}, {sd15}) -> what the one line must say
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_is_one_line_and_exit_2(case, files, model, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(case, files, model_dirs, tmp_path):
     argv, says = BAD[case]
     out = tmp_path / "out" / "x.safetensors"
-    args = argv.format(root=files, flux=model("flux"), sd15=model("sd15"), out=out).split()
+    args = argv.format(root=files, flux=model_dirs("flux"), sd15=model_dirs("sd15"), out=out).split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "tasks.lora_tools", *args], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=120)
@@ -422,12 +410,12 @@ def _doc_commands() -> list[list[str]]:
     return [c.argv for c in COMMANDS if c.origin.startswith("docs/lora-files.md") and c.argv[:1] == ["loraflow-lora"]]
 
 
-def test_the_docs_commands_run(model, tuned, tmp_path, monkeypatch):
+def test_the_docs_commands_run(model_dirs, tuned, tmp_path, monkeypatch):
     """docs/lora-files.md's loraflow-lora lines, run as written in a folder holding the files they name."""
     commands = _doc_commands()
     assert {c[1] for c in commands} == {"resize", "merge", "convert", "extract"}
-    peft_lora("flux", model("flux"), tmp_path)
-    peft_lora("flux", model("flux"), tmp_path / "two", seed=2, kohya=False)
+    peft_lora("flux", model_dirs("flux"), tmp_path)
+    peft_lora("flux", model_dirs("flux"), tmp_path / "two", seed=2, kohya=False)
     shutil.copy(tmp_path / "lora_kohya.safetensors", tmp_path / "style.safetensors")
     shutil.copy(tmp_path / "two" / "pytorch_lora_weights.safetensors", tmp_path / "subject.safetensors")
     os.symlink(tuned[0], tmp_path / "base_model")
