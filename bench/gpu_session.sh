@@ -15,17 +15,7 @@ nvidia-smi -L
 python3 -c "import torch, transformers, diffusers, peft, prefect, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), '| transformers', transformers.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__, 'prefect', prefect.__version__, 'bitsandbytes', bitsandbytes.__version__)"
 python3 -m bench.gpu_families --jobs "${JOBS:-8}" --deadline "${FAMILIES_S:-200}" --work /tmp/gpu_families \
   --out "$OUT/gpu_families.json" --logs "$OUT/gpu_families_failures.txt" ${FAMILY_ARGS:-} 2>&1 | tee "$OUT/gpu_families.log"
-timeout -k 10 "${BENCH_S:-300}" python3 -m bench.gpu --budget "${BENCH_S:-300}" --out "$OUT/gpu_results.json" \
-  ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log"
-# the families' verdicts into gpu_results.json (contract.md: its `families`)
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-res, fam = out / "gpu_results.json", out / "gpu_families.json"
-if res.is_file() and fam.is_file():
-    doc = json.loads(res.read_text())
-    doc["families"] = json.loads(fam.read_text())["families"]
-    res.write_text(json.dumps(doc, indent=1, default=str))
-PY
+# bench.gpu merges the families' verdicts into gpu_results.json (contract.md: its `families`)
+timeout -k 10 "${BENCH_S:-300}" python3 -m bench.gpu --budget "${BENCH_S:-300}" --families "$OUT/gpu_families.json" \
+  --out "$OUT/gpu_results.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log"
 echo "session done"

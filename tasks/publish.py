@@ -97,14 +97,13 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
     # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
     # LoRA in ComfyUI's own layout (export_comfyui.to_comfyui)
+    layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan["family"]) else "comfyui"
     if cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
         pass  # the text encoders' DoRA has no kohya layout (tasks/validate.py): the diffusers file only
-    elif "kohya" in files and export_comfyui.comfyui_loads_kohya(plan["family"]):
+    elif layout == "kohya" and "kohya" in files:
         files["comfyui"] = files["kohya"]
     else:
-        files["comfyui"] = lora_dir / ("lora_kohya.safetensors" if export_comfyui.comfyui_loads_kohya(plan["family"])
-                                       else "lora_comfyui.safetensors")
-        layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan["family"]) else "comfyui"
+        files["comfyui"] = lora_dir / f"lora_{layout}.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora, layout), files["comfyui"])
     if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout, whatever export.format
         files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"
