@@ -72,6 +72,11 @@ def test_lora_loads_into_the_family_pipeline_and_changes_output(trained, fmt):
     assert ws.first["artifacts"]["lora"] == files["diffusers"]
     # the kohya file is ComfyUI's where ComfyUI maps all of it; Z-Image's has fused q/k/v (tests/test_comfyui_keys.py)
     assert (files["comfyui"] == files["kohya"]) == (family != "zimage")
+    if family == "zimage":  # two store entries of one LoRA: the layout is part of the export's key
+        from safetensors import safe_open
+
+        with safe_open(files["comfyui"], "pt") as comfy, safe_open(files["kohya"], "pt") as kohya:
+            assert any("_attention_qkv." in k for k in comfy.keys()) and any("_attention_to_q." in k for k in kohya.keys())
     if (family, fmt) in _DIFFUSERS_CANNOT:
         pytest.xfail(_DIFFUSERS_CANNOT[family, fmt])
     base = ws.first["artifacts"]["base_model"]
