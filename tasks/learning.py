@@ -63,6 +63,7 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
     """Render, score, and write <run_dir>/samples/before_after.png; returns the report's `learning`."""
     from tasks.demo import score
     from tasks.models import make_adapter
+    from tasks.models.base import load_lora_file
 
     lcfg = cfg["learning"]
     if lcfg["scorer"] not in SCORERS:
@@ -76,7 +77,7 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
     for name, lora in (("base", None), ("lora", lora_file)):
         pipe = adapter.pipeline_cls.from_pretrained(model_dir, dtype=adapter.dtype, use_safetensors=True)
         if lora is not None:
-            pipe.load_lora_weights(str(lora))
+            load_lora_file(pipe, adapter.denoiser_subfolder, lora)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(adapter.device)  # the start noise is drawn on the CPU (_render): the same images on any device
         renders[name] = {p: [_render(pipe, p, s, lcfg, size) for s in lcfg["seeds"]] for p in concept + kept}

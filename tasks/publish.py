@@ -4,13 +4,14 @@ Both exported files are derived from the stored diffusers LoRA (what training an
 themselves store entries, keyed by the LoRA's key, the format and the converter's version, so each is
 converted once: the kohya file, the diffusers file with alpha/rank baked into lora_B (export.bake_alpha), and
 for Z-Image the file in ComfyUI's own layout (export_comfyui.to_comfyui; for the other families the kohya file is it).
-With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers)."""
+With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers).
+LoHa/LoKr (train.network): one file, the LyCORIS layout (lycoris.to_lycoris), whatever export.format."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from tasks.training import export, export_comfyui
+from tasks.training import export, export_comfyui, lycoris
 from tasks.training.checkpoint_samples import publish_step
 from tasks.store.hashing import key_of
 from tasks.lazy import lazy
@@ -21,6 +22,7 @@ st = lazy("safetensors.torch")
 
 KOHYA_KIND = "lora_kohya"
 DIFFUSERS_KIND = "lora_diffusers"
+LYCORIS_KIND = "lora_lycoris"
 
 
 def peft_from_diffusers(state_dict: dict) -> dict:
@@ -75,6 +77,22 @@ def _base_weights(cfg: dict, plan: dict):
     return lambda name: modules[name].weight.detach()
 
 
+def lycoris_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
+    """train.network=loha|lokr: the LyCORIS file (lycoris.to_lycoris) of the train node's peft file."""
+    tc = cfg["train"]
+    key = key_of({"lora": lora["key"], "format": "lycoris", "code": export.CODE_VERSION})
+    if not store.valid(LYCORIS_KIND, key):
+        pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
+        info = dict(ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
+                    ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
+                    ss_base_model_version=export.base_model_version(plan["family"]),
+                    loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
+        with store.tmp_dir("publish") as tmp:
+            path = lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info)
+            store.put_file(LYCORIS_KIND, key, path, meta={"lora": lora["key"]})
+    return store.get_path(LYCORIS_KIND, key)
+
+
 def diffusers_file(store: Store, lora: dict) -> Path:
     key = key_of({"lora": lora["key"], "format": "diffusers", "code": export.CODE_VERSION})
     if not store.valid(DIFFUSERS_KIND, key):
@@ -88,6 +106,12 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     lora_dir = run_dir / "lora"
     lora_dir.mkdir(parents=True, exist_ok=True)
     fmt, files = cfg["export"]["format"], {}
+    if lycoris.is_lycoris(cfg["train"]):
+        # LoHa/LoKr have one layout whatever export.format: LyCORIS's, which ComfyUI maps for every family
+        # (tasks/training/lycoris.py); diffusers' load_lora_weights reads none (docs/lora-files.md)
+        files["lycoris"] = files["comfyui"] = lora_dir / "lora_lycoris.safetensors"
+        shutil.copyfile(lycoris_file(cfg, plan, store, lora), files["lycoris"])
+        fmt = None
     if fmt in ("diffusers", "both"):
         # The file name diffusers' load_lora_weights(<dir>) looks for.
         files["diffusers"] = lora_dir / "pytorch_lora_weights.safetensors"
@@ -98,17 +122,23 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
     # LoRA in ComfyUI's own layout (export_comfyui.to_comfyui)
     layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan["family"]) else "comfyui"
-    if cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
+    if "comfyui" in files:
+        pass  # LoHa/LoKr: the LyCORIS file
+    elif cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
         pass  # the text encoders' DoRA has no kohya layout (tasks/validate.py): the diffusers file only
     elif layout == "kohya" and "kohya" in files:
         files["comfyui"] = files["kohya"]
     else:
         files["comfyui"] = lora_dir / f"lora_{layout}.safetensors"
         shutil.copyfile(kohya_file(cfg, plan, store, lora, layout), files["comfyui"])
-    if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout, whatever export.format
-        files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"
-        ema = {"key": key_of({"lora_ema": lora["key"]}), "lora": lora["lora_ema"]}
-        shutil.copyfile(diffusers_file(store, ema), files["ema"])
+    if lora.get("lora_ema"):  # train.ema_decay: the EMA weights, diffusers' layout (LoHa/LoKr: LyCORIS's)
+        ema = {**lora, "key": key_of({"lora_ema": lora["key"]}), "lora": lora["lora_ema"]}
+        if "lycoris" in files:
+            files["ema"] = lora_dir / "lora_lycoris_ema.safetensors"
+            shutil.copyfile(lycoris_file(cfg, plan, store, ema), files["ema"])
+        else:
+            files["ema"] = lora_dir / "pytorch_lora_weights_ema.safetensors"
+            shutil.copyfile(diffusers_file(store, ema), files["ema"])
     out = run_dir / "samples"
     out.mkdir(exist_ok=True)
     paths = []
@@ -117,7 +147,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         shutil.copyfile(src, dst)
         paths.append(str(dst))
     grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None
-    main = files.get("diffusers") or files.get("kohya") or files["comfyui"]
+    main = files.get("lycoris") or files.get("diffusers") or files.get("kohya") or files["comfyui"]
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
             "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}
 

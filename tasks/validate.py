@@ -239,11 +239,14 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
                       f"SDXL); {family} trains by flow matching: use train.weighting_scheme instead, or "
                       "train.min_snr_gamma=null")
     if tc["network"] in ("loha", "lokr"):
-        # peft trains them, but diffusers' load_lora_weights of these pipelines reads neither: the sample node
-        # and the exported file could not load the result
-        errors.append(f"train.network={tc['network']}: diffusers' load_lora_weights for the {family} pipeline reads "
-                      "no peft LoHa/LoKr file, so neither sampling nor the exported file would work; use "
-                      "train.network=lora or dora")
+        # peft's LoHa/LoKr (tasks/training/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
+        # encoders' LoRA (tasks/models/text_encoder_lora.py) is a plain LoRA in diffusers' layout
+        if tc.get("rslora"):
+            errors.append(f"train.network={tc['network']} with train.rslora=true: rsLoRA's alpha / sqrt(rank) is a "
+                          "LoRA option (peft has none for LoHa/LoKr); set train.rslora=false")
+        if tc.get("text_encoder_lr") is not None:
+            errors.append(f"train.network={tc['network']} with train.text_encoder_lr: the text encoders train a "
+                          "plain LoRA only; use train.network=lora, or train.text_encoder_lr=null")
     if tc["network"] == "dora" and tc.get("text_encoder_lr") is not None and cfg["export"]["format"] != "diffusers":
         # the kohya/ComfyUI files carry the denoiser's DoRA as dora_scale; the text encoders' have no writer here
         errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "

@@ -196,7 +196,7 @@ SENSIBLE = {
     "train.weighting_scheme": _in("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"),
     "train.mixed_precision": _in("no", "bf16", "fp16"), "train.resume": _in("auto", "never"),
     "train.noise_offset": lambda v: _fin(v) and v >= 0, "train.huber_c": lambda v: _fin(v) and v > 0,
-    "train.loss": _in("l2", "huber"), "train.network": _in("lora", "dora"),  # loha/lokr: refused (no loader)
+    "train.loss": _in("l2", "huber"), "train.network": _in("lora", "dora", "loha", "lokr"),
     "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
     "train.ema_decay": lambda v: v is None or _fin(v) and 0 < v < 1,
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
@@ -276,7 +276,7 @@ def test_override_value_is_accepted_sensibly_or_rejected_naming_the_key(key, val
     "sample.cfg=nan", "sample.width=1000000000000000000000000000000", "data.resolution=inf", "data.resolution=1e30",
     "data.bucket_max_aspect=inf", "text.variants=1000000000000000000000000000000", "train.alpha=0",
     "train.mode_scale=100", "train.logit_std=-1", "train.memory_limit_gb=nan", "model.max_sequence_length=513",
-    "train.huber_c=0", "train.noise_offset=nan", "train.min_snr_gamma=5", "train.network=lokr",
+    "train.huber_c=0", "train.noise_offset=nan", "train.min_snr_gamma=5",
     "hydra.run.dir=${nope}", "data.dir=???", "data.dir='a\x00b'", "model.path=" + "x" * 300,
 ])
 def test_found_defects_are_rejected_naming_the_key(override):

@@ -1,6 +1,6 @@
 """LoRA variants through peft (issue 22, item 2): train.network=dora and train.rslora=true train, and the exported
-files load with the family pipeline's load_lora_weights to the trained adapter's function; loha/lokr (which
-diffusers' loaders of these pipelines do not read) are refused; DoRA's kohya file carries dora_scale."""
+files load with the family pipeline's load_lora_weights to the trained adapter's function; DoRA's kohya file
+carries dora_scale. loha/lokr: tests/test_lycoris.py."""
 from __future__ import annotations
 
 import pytest
@@ -21,10 +21,7 @@ def _cfg(*overrides):
 
 
 def test_variants_refused_where_no_loader_reads_them():
-    for network in ("loha", "lokr"):
-        errors = validate.config_errors(_cfg(f"train.network={network}"))
-        assert any(e.startswith(f"train.network={network}:") and "load_lora_weights" in e for e in errors)
-    # DoRA exports to every format (its dora_scale: tests/test_comfyui_keys.py), but the text encoders' DoRA only
+    # LoHa/LoKr train and export (tests/test_lycoris.py); DoRA exports to every format (its dora_scale: tests/test_comfyui_keys.py), but the text encoders' DoRA only
     # to the diffusers file
     assert not validate.config_errors(_cfg("train.network=dora"))
     assert any(e.startswith("train.network=dora with train.text_encoder_lr and export.format=both")

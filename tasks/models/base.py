@@ -187,3 +187,16 @@ def on_pipeline_device(pipe, text: dict | None) -> dict | None:
         return None
     device = pipe._execution_device
     return {k: v.to(device) for k, v in text.items()}
+
+
+def load_lora_file(pipe, denoiser_subfolder: str, lora_file) -> None:
+    """A LoRA file into a pipeline: diffusers' load_lora_weights, or for LoHa/LoKr (which it does not read) peft
+    on the denoiser itself, from the train node's file or the exported LyCORIS file (tasks/training/lycoris.py)."""
+    from tasks.training import lycoris
+
+    if lycoris.file_network(lora_file):
+        lycoris.apply_file(getattr(pipe, denoiser_subfolder), lora_file)
+    elif lycoris.is_lycoris_file(lora_file):  # an exported LyCORIS file (the learning check reads exports)
+        lycoris.apply_lycoris(getattr(pipe, denoiser_subfolder), lora_file)
+    else:
+        pipe.load_lora_weights(str(lora_file))

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from tasks.lazy import lazy
-from tasks.models.base import FamilyAdapter
+from tasks.models.base import FamilyAdapter, load_lora_file
 from tasks.models.losses import flow_loss, offset_noise
 
 torch = lazy("torch")
@@ -89,6 +89,6 @@ class TransformerAdapter(FamilyAdapter):
         pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser),
                                                  **self.sample_parts)
         if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
+            load_lora_file(pipe, self.denoiser_subfolder, lora_file)
         pipe.set_progress_bar_config(disable=True)
         return self.place(pipe, denoiser)

@@ -10,6 +10,10 @@ nothing. Which components train lives in the adapter (`text_encoder_lora_modules
 refuses the setting."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from tasks.training import lycoris
+
 # report.json nodes.cache_text.text_encoding, when the encoders train
 LIVE = ("live: train.text_encoder_lr trains the text encoders, so nothing is read from the text cache; captions "
         "are encoded in train, sample prompts in sample (and at each sample.every_n_steps point) with the trained "
@@ -100,6 +104,9 @@ def writer(adapter, denoiser, pipe):
         extra = {} if pipe is None else {"text_encoders": {
             c: (_hub_layout(getattr(pipe, c), get_peft_model_state_dict(getattr(pipe, c))), peft_config(getattr(pipe, c)))
             for c in adapter.text_encoder_lora_modules}}
+        if lycoris.file_kind(peft_config(denoiser)):  # LoHa/LoKr: no diffusers LoRA file takes them
+            return lycoris.save_peft(Path(folder) / "pytorch_lora_weights.safetensors",
+                                     get_peft_model_state_dict(denoiser), peft_config(denoiser), adapter.denoiser_subfolder)
         return adapter.save_lora(get_peft_model_state_dict(denoiser), folder, peft_config(denoiser), **extra)
     return write
 

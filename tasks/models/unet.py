@@ -9,7 +9,7 @@ from abc import abstractmethod
 from pathlib import Path
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import FamilyAdapter
+from tasks.models.base import FamilyAdapter, load_lora_file
 from tasks.models.losses import ddpm_loss, offset_noise
 
 torch = lazy("torch")
@@ -151,7 +151,7 @@ class UNetAdapter(FamilyAdapter):
                                                  **self.live(denoiser),
                                                  **_SAFE)
         if lora_file is not None:
-            pipe.load_lora_weights(str(lora_file))
+            load_lora_file(pipe, self.denoiser_subfolder, lora_file)
         pipe.set_progress_bar_config(disable=True)
         return self.place(pipe, denoiser)
 

@@ -266,6 +266,11 @@ def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, a
     return out
 
 
+def base_model_version(family: str) -> str:
+    """sd-scripts' `ss_base_model_version` of the family (`sdxl_base_v1-0`, `flux1`, ...)."""
+    return _META[check_family(family)][1]
+
+
 def kohya_metadata(family: str, rank: int, alpha: float, **info) -> dict[str, str]:
     """sd-scripts style `ss_*` metadata (safetensors metadata values must be strings)."""
     module, version = _META[check_family(family)]

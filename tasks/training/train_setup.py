@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.lazy import lazy
+from tasks.training import lycoris
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
 torch = lazy("torch")
@@ -96,11 +97,16 @@ def prepare_denoiser(adapter, cfg: dict):
     denoiser = adapter.load_denoiser()
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
-    # train.network=dora / train.rslora: peft's own variants (LoHa/LoKr are refused in tasks/validate.py). At
-    # the defaults the config is the plain LoraConfig it always was, so the file's metadata is unchanged.
-    denoiser.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                                    target_modules=lora_targets(tc, adapter),
-                                    use_dora=tc.get("network", "lora") == "dora", use_rslora=bool(tc.get("rslora"))))
+    # train.network=dora / train.rslora: peft's own variants; loha / lokr: peft's LoHaConfig / LoKrConfig
+    # (tasks/training/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
+    # file's metadata is unchanged.
+    if lycoris.is_lycoris(tc):
+        config = lycoris.make_config(tc["network"], tc["rank"], alpha, lora_targets(tc, adapter))
+    else:
+        config = LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
+                            target_modules=lora_targets(tc, adapter), use_dora=tc.get("network", "lora") == "dora",
+                            use_rslora=bool(tc.get("rslora")))
+    denoiser.add_adapter(config)
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()

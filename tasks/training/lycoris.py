@@ -1,0 +1,204 @@
+"""LoHa and LoKr (`train.network=loha|lokr`): trained by peft's own `LoHaConfig` / `LoKrConfig`, stored, applied
+for sampling and exported in the LyCORIS layout.
+
+- The train node's file: peft's state dict under the pipeline component's prefix (`transformer.<module>.hada_w1_a`,
+  `unet.<module>.lokr_w1`) with the peft config in `lora_adapter_metadata`, as diffusers writes a LoRA. diffusers'
+  `load_lora_weights` reads no LoHa/LoKr, so `apply_file` puts it on the model with peft (inject + state dict):
+  the sample node and the learning check render through that.
+- The exported file (report `artifacts.lora_files.lycoris`, also `.comfyui`): LyCORIS tensor names with the
+  prefix SimpleTuner's LyCORIS files use, `lycoris_<diffusers module, "." -> "_">` (`.hada_w1_a`, `.hada_w1_b`,
+  `.hada_w2_a`, `.hada_w2_b`, `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a`/`.lokr_w2_b`, `.alpha`). ComfyUI's
+  `model_lora_keys_unet` (comfy/lora.py) maps that prefix for Flux and FLUX.2 (`flux_to_diffusers`, q/k/v as
+  slices of the fused qkv), SD3 (`mmdit_to_diffusers`), SDXL/SD1.5 (`unet_to_diffusers`), Qwen-Image and Z-Image
+  (`z_image_to_diffusers`), so one naming serves every family (tests/test_lycoris.py restates those maps).
+- Scale: peft multiplies every delta by alpha / r. ComfyUI's LoHa rule is alpha / rank (rank = w1_b's rows), the
+  same; its LoKr rule is alpha / rank only where w2 (or w1) is factorised and 1 where both are full, so the LoKr
+  export folds peft's scale into w1 and writes alpha = r: every loader then applies exactly the trained delta.
+
+Pure core: no prefect/hydra imports.
+"""
+from __future__ import annotations
+
+import json
+
+from tasks.lazy import lazy
+
+torch = lazy("torch")
+peft = lazy("peft")
+
+NETWORKS = ("loha", "lokr")
+SUFFIXES = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
+            "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")}
+LORA_META = "lora_adapter_metadata"
+
+
+def is_lycoris(tc: dict) -> bool:
+    return tc.get("network", "lora") in NETWORKS
+
+
+def make_config(network: str, rank: int, alpha: float, targets):
+    """peft's config for `network`: the same rank, alpha and targets as the plain LoRA; peft's default init
+    (one factor zero, so training starts from the base model)."""
+    cls = {"loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}[network]
+    return cls(r=rank, alpha=alpha, target_modules=targets)
+
+
+def file_kind(config: dict) -> str:
+    """"loha" / "lokr" for a peft config dict of those networks, "" for a LoRA."""
+    return _network_of(config)
+
+
+def _network_of(config: dict) -> str:
+    kind = str(config.get("peft_type", "")).rsplit(".", 1)[-1].upper()
+    return {"LOHA": "loha", "LOKR": "lokr"}.get(kind, "")
+
+
+def file_network(path) -> str:
+    """"loha" / "lokr" for a train-node file of those networks, "" for anything else (a plain LoRA)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = (f.metadata() or {}).get(LORA_META)
+    if not meta:
+        return ""
+    kinds = {_network_of({"peft_type": v}) for k, v in json.loads(meta).items() if k.endswith(".peft_type")}
+    return next(iter(kinds - {""}), "")
+
+
+def save_peft(path, state_dict: dict, config: dict, component: str):
+    """The train node's file: peft's state dict and config under `component` (diffusers' LoRA file shape)."""
+    from tasks.training.export import write_safetensors
+
+    tensors = {f"{component}.{k}": v.detach().contiguous() for k, v in state_dict.items()}
+    meta = {LORA_META: json.dumps({f"{component}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True,
+                                  default=str), "format": "pt"}
+    return write_safetensors(path, tensors, meta)
+
+
+def read_peft(path) -> tuple[dict, dict, str]:
+    """A `save_peft` file -> (state dict without the prefix, config dict, component)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[LORA_META])
+    components = {k.split(".", 1)[0] for k in tensors}
+    if len(components) != 1:
+        raise ValueError(f"{path}: a LoHa/LoKr file of one component, found {sorted(components)}")
+    component = components.pop()
+    cut = len(component) + 1
+    config = {k[cut:]: v for k, v in meta.items() if k.startswith(component + ".")}
+    return {k[cut:]: v for k, v in tensors.items()}, config, component
+
+
+def apply_file(model, path) -> None:
+    """Put a `save_peft` file's LoHa/LoKr on `model` (peft inject + load). Every tensor must land: a key the
+    model has no module for is an error, not a silently weaker network."""
+    state_dict, config, _ = read_peft(path)
+    network = _network_of(config)
+    model.add_adapter(make_config(network, int(config["r"]), float(config["alpha"]), config["target_modules"]))
+    result = peft.set_peft_model_state_dict(model, state_dict)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} tensor(s) match no {network} layer, e.g. {unexpected[:3]}")
+
+
+def modules_of(state_dict: dict, network: str) -> dict[str, dict]:
+    """peft state dict -> {module: {suffix: tensor}}; any other key is refused."""
+    out: dict[str, dict] = {}
+    for key, t in state_dict.items():
+        module, _, suffix = key.rpartition(".")
+        if suffix not in SUFFIXES[network]:
+            raise ValueError(f"{key}: not a {network} tensor ({', '.join(SUFFIXES[network])})")
+        out.setdefault(module, {})[suffix] = t
+    return out
+
+
+def to_lycoris(state_dict: dict, config: dict) -> dict:
+    """peft LoHa/LoKr state dict + config -> LyCORIS tensors (`lycoris_<module>.<suffix>`, `.alpha`)."""
+    network = _network_of(config)
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError("per-module rank/alpha patterns are not supported")
+    r, alpha = int(config["r"]), float(config["alpha"])
+    out = {}
+    for module, parts in modules_of(state_dict, network).items():
+        name = "lycoris_" + module.replace(".", "_")
+        parts = {k: v.detach().float().contiguous() for k, v in parts.items()}
+        if network == "lokr":  # peft's alpha / r folded into w1 (or w1_a); alpha = r gives scale 1 everywhere
+            first = "lokr_w1" if "lokr_w1" in parts else "lokr_w1_a"
+            parts[first] = parts[first] * (alpha / r)
+            parts["alpha"] = torch.tensor(float(r))
+        else:
+            parts["alpha"] = torch.tensor(alpha)
+        out.update({f"{name}.{k}": v for k, v in parts.items()})
+    return out
+
+
+def lycoris_metadata(network: str, rank: int, alpha: float, **info) -> dict[str, str]:
+    """kohya-style metadata as LyCORIS writes it (`ss_network_module` lycoris.kohya, the algo in its args)."""
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+    meta.update({"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({"algo": network}),
+                 "ss_network_dim": str(int(rank)),
+                 "ss_network_alpha": str(float(rank if network == "lokr" else alpha))})
+    return meta
+
+
+def save_lycoris(path, src, metadata: dict[str, str]):
+    """The exported LyCORIS file of the train node's file `src`, written atomically."""
+    from tasks.training.export import write_safetensors
+
+    state_dict, config, _ = read_peft(src)
+    network = _network_of(config)
+    meta = lycoris_metadata(network, int(config["r"]), float(config["alpha"]), **metadata)
+    return write_safetensors(path, to_lycoris(state_dict, config), meta)
+
+
+
+def is_lycoris_file(path) -> bool:
+    """Whether a .safetensors file is in the LyCORIS layout of `to_lycoris` (`lycoris_<module>.<suffix>`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return any(k.startswith("lycoris_") for k in f.keys())
+
+
+def apply_lycoris(model, path) -> None:
+    """Put an exported LyCORIS file on `model` as ComfyUI's LoHa/LoKr rules merge it (scale alpha / rank where
+    the factor is low-rank, 1 where LoKr's are both full), through peft: the loader the learning check and the
+    tests use to see that the exported file is the trained network."""
+    import re
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    names = {"lycoris_" + n.replace(".", "_"): n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    groups: dict[str, dict] = {}
+    for key, t in tensors.items():
+        lyco, _, suffix = key.rpartition(".")
+        if lyco not in names:
+            raise ValueError(f"{path}: {key} names no Linear of {type(model).__name__}")
+        groups.setdefault(names[lyco], {})[suffix] = t.float()
+    kinds = {n for n, sfx in SUFFIXES.items() for parts in groups.values() if set(parts) & set(sfx)}
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: expected LoHa or LoKr tensors, found {sorted(kinds) or 'neither'}")
+    network = kinds.pop()
+    rank = int(float(meta.get("ss_network_dim", 0))) or max(
+        p[s].shape[0] for p in groups.values() for s in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b") if s in p)
+    state = {}
+    for module, parts in groups.items():
+        alpha = parts.pop("alpha", None)
+        if network == "loha":
+            scale = float(alpha) / parts["hada_w1_b"].shape[0] if alpha is not None else 1.0
+            parts["hada_w1_a"] = parts["hada_w1_a"] * scale
+        else:
+            dim = next((parts[s].shape[0] for s in ("lokr_w2_b", "lokr_w1_b") if s in parts), None)
+            scale = float(alpha) / dim if alpha is not None and dim is not None else 1.0
+            first = "lokr_w1" if "lokr_w1" in parts else "lokr_w1_a"
+            parts[first] = parts[first] * scale
+        state.update({f"{module}.{s}": t for s, t in parts.items()})
+    targets = "^(" + "|".join(re.escape(m) for m in sorted(groups)) + ")$"
+    model.add_adapter(make_config(network, rank, rank, targets))  # scale 1: ComfyUI's scale is in the factors
+    result = peft.set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} tensor(s) do not fit peft's {network} layers, e.g. {unexpected[:3]}")
