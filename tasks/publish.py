@@ -5,13 +5,14 @@ themselves store entries, keyed by the LoRA's key, the format and the converter'
 converted once: the kohya file, the diffusers file with alpha/rank baked into lora_B (export.bake_alpha), and
 for Z-Image the file in ComfyUI's own layout (export_comfyui.to_comfyui; for the other families the kohya file is it).
 With train.ema_decay, the EMA LoRA goes beside them as pytorch_lora_weights_ema.safetensors (diffusers).
-LoHa/LoKr (train.network): one file, the LyCORIS layout (lycoris.to_lycoris), whatever export.format."""
+LoHa/LoKr (train.network): one file, the LyCORIS layout (export_lycoris.to_lycoris), whatever export.format."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from tasks.training import export, export_comfyui, lycoris
+from tasks.models import lycoris
+from tasks.training import export, export_comfyui, export_lycoris
 from tasks.training.checkpoint_samples import publish_step
 from tasks.store.hashing import key_of
 from tasks.lazy import lazy
@@ -78,7 +79,7 @@ def _base_weights(cfg: dict, plan: dict):
 
 
 def lycoris_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
-    """train.network=loha|lokr: the LyCORIS file (lycoris.to_lycoris) of the train node's peft file."""
+    """train.network=loha|lokr: the LyCORIS file (export_lycoris.to_lycoris) of the train node's peft file."""
     tc = cfg["train"]
     key = key_of({"lora": lora["key"], "format": "lycoris", "code": export.CODE_VERSION})
     if not store.valid(LYCORIS_KIND, key):
@@ -88,7 +89,7 @@ def lycoris_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
                     ss_base_model_version=export.base_model_version(plan["family"]),
                     loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
         with store.tmp_dir("publish") as tmp:
-            path = lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info)
+            path = export_lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info)
             store.put_file(LYCORIS_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(LYCORIS_KIND, key)
 
@@ -108,7 +109,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     fmt, files = cfg["export"]["format"], {}
     if lycoris.is_lycoris(cfg["train"]):
         # LoHa/LoKr have one layout whatever export.format: LyCORIS's, which ComfyUI maps for every family
-        # (tasks/training/lycoris.py); diffusers' load_lora_weights reads none (docs/lora-files.md)
+        # (tasks/training/export_lycoris.py); diffusers' load_lora_weights reads none (docs/lora-files.md)
         files["lycoris"] = files["comfyui"] = lora_dir / "lora_lycoris.safetensors"
         shutil.copyfile(lycoris_file(cfg, plan, store, lora), files["lycoris"])
         fmt = None

@@ -239,7 +239,7 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
                       f"SDXL); {family} trains by flow matching: use train.weighting_scheme instead, or "
                       "train.min_snr_gamma=null")
     if tc["network"] in ("loha", "lokr"):
-        # peft's LoHa/LoKr (tasks/training/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
+        # peft's LoHa/LoKr (tasks/models/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
         # encoders' LoRA (tasks/models/text_encoder_lora.py) is a plain LoRA in diffusers' layout
         if tc.get("rslora"):
             errors.append(f"train.network={tc['network']} with train.rslora=true: rsLoRA's alpha / sqrt(rank) is a "

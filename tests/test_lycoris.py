@@ -26,7 +26,8 @@ from tasks import cache_latents, cache_text, publish, sample, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models import adapter_class
 from tasks.store import Store
-from tasks.training import lycoris
+from tasks.models import lycoris
+from tasks.training.export_lycoris import to_lycoris
 from test_export import model_dirs  # noqa: F401
 from tolerance import rounding
 
@@ -103,7 +104,7 @@ def test_lycoris_file_loads_every_key_in_comfyui_with_the_trained_delta(family, 
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in den.peft_config["default"].to_dict().items()}
     sd = get_peft_model_state_dict(den)
-    file = lycoris.to_lycoris(sd, config)
+    file = to_lycoris(sd, config)
 
     names = {"lycoris_" + n.replace(".", "_"): n for n in linears if re.fullmatch(COMFY_LYCORIS[family], n)}
     merged = comfyui_merge(file, names)
@@ -177,3 +178,30 @@ def _zero_like(path, tmp_path):
     sd, config, component = lycoris.read_peft(path)
     return lycoris.save_peft(tmp_path / "zero.safetensors", {k: torch.zeros_like(v) for k, v in sd.items()}, config,
                              component)
+
+
+@pytest.mark.parametrize("family", ["flux2_klein", "flux2_dev"])
+def test_flux2_lokr_file_loads_in_diffusers_with_the_trained_delta(family, model_dirs):
+    """diffusers' own FLUX.2 loader reads LyCORIS LoKr files (`_convert_lycoris_flux2_lokr_to_diffusers`, alpha
+    baked as LyCORIS does): it runs here for real, and gives every module the trained delta."""
+    rank, alpha = 4, 6.0
+    model_dir = model_dirs(family)
+    adapter, den = _denoiser(family, model_dir)
+    den.add_adapter(lycoris.make_config("lokr", rank, alpha, adapter.default_lora_targets()))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (p for p in den.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in den.peft_config["default"].to_dict().items()}
+    sd = get_peft_model_state_dict(den)
+    pipe = adapter.pipeline_cls.from_pretrained(model_dir, text_encoder=None, tokenizer=None, vae=None)
+    pipe.load_lora_weights(to_lycoris(sd, config))
+    loaded = {n: m for n, m in pipe.transformer.named_modules() if hasattr(m, "get_delta_weight")}
+    ours = {n: m for n, m in den.named_modules() if hasattr(m, "get_delta_weight")}
+    assert set(loaded) == set(ours), sorted(set(loaded) ^ set(ours))
+    parts = lycoris.modules_of(sd, "lokr")
+    for name, layer in ours.items():
+        want = layer.get_delta_weight("default").double()
+        got = loaded[name].get_delta_weight(loaded[name].active_adapters[0])
+        bound = rounding(rank, stages=3, magnitude=_magnitude(parts[name], alpha / rank))
+        assert (got.double() - want).abs().max().item() <= bound, name

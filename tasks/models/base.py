@@ -191,8 +191,8 @@ def on_pipeline_device(pipe, text: dict | None) -> dict | None:
 
 def load_lora_file(pipe, denoiser_subfolder: str, lora_file) -> None:
     """A LoRA file into a pipeline: diffusers' load_lora_weights, or for LoHa/LoKr (which it does not read) peft
-    on the denoiser itself, from the train node's file or the exported LyCORIS file (tasks/training/lycoris.py)."""
-    from tasks.training import lycoris
+    on the denoiser itself, from the train node's file or the exported LyCORIS file (tasks/models/lycoris.py)."""
+    from tasks.models import lycoris
 
     if lycoris.file_network(lora_file):
         lycoris.apply_file(getattr(pipe, denoiser_subfolder), lora_file)

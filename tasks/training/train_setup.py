@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.lazy import lazy
-from tasks.training import lycoris
+from tasks.models import lycoris
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
 torch = lazy("torch")
@@ -98,7 +98,7 @@ def prepare_denoiser(adapter, cfg: dict):
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     # train.network=dora / train.rslora: peft's own variants; loha / lokr: peft's LoHaConfig / LoKrConfig
-    # (tasks/training/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
+    # (tasks/models/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
     # file's metadata is unchanged.
     if lycoris.is_lycoris(tc):
         config = lycoris.make_config(tc["network"], tc["rank"], alpha, lora_targets(tc, adapter))

@@ -1,21 +1,12 @@
-"""LoHa and LoKr (`train.network=loha|lokr`): trained by peft's own `LoHaConfig` / `LoKrConfig`, stored, applied
-for sampling and exported in the LyCORIS layout.
+"""LoHa and LoKr (`train.network=loha|lokr`) on a model: peft's own `LoHaConfig` / `LoKrConfig`, the train node's
+file of them, and putting a file back on a model for sampling.
 
 - The train node's file: peft's state dict under the pipeline component's prefix (`transformer.<module>.hada_w1_a`,
   `unet.<module>.lokr_w1`) with the peft config in `lora_adapter_metadata`, as diffusers writes a LoRA. diffusers'
-  `load_lora_weights` reads no LoHa/LoKr, so `apply_file` puts it on the model with peft (inject + state dict):
-  the sample node and the learning check render through that.
-- The exported file (report `artifacts.lora_files.lycoris`, also `.comfyui`): LyCORIS tensor names with the
-  prefix SimpleTuner's LyCORIS files use, `lycoris_<diffusers module, "." -> "_">` (`.hada_w1_a`, `.hada_w1_b`,
-  `.hada_w2_a`, `.hada_w2_b`, `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a`/`.lokr_w2_b`, `.alpha`). ComfyUI's
-  `model_lora_keys_unet` (comfy/lora.py) maps that prefix for Flux and FLUX.2 (`flux_to_diffusers`, q/k/v as
-  slices of the fused qkv), SD3 (`mmdit_to_diffusers`), SDXL/SD1.5 (`unet_to_diffusers`), Qwen-Image and Z-Image
-  (`z_image_to_diffusers`), so one naming serves every family (tests/test_lycoris.py restates those maps).
-- Scale: peft multiplies every delta by alpha / r. ComfyUI's LoHa rule is alpha / rank (rank = w1_b's rows), the
-  same; its LoKr rule is alpha / rank only where w2 (or w1) is factorised and 1 where both are full, so the LoKr
-  export folds peft's scale into w1 and writes alpha = r: every loader then applies exactly the trained delta.
-
-Pure core: no prefect/hydra imports.
+  `load_lora_weights` reads no LoHa/LoKr (FLUX.2's reads LoKr), so `apply_file` puts it on the model with peft
+  (inject + state dict): the sample node and samples during training render through that.
+- The exported LyCORIS file (tasks/training/export_lycoris.py) goes back on a model by `apply_lycoris`, as
+  ComfyUI's rules merge it: the learning check renders through that.
 """
 from __future__ import annotations
 
@@ -45,10 +36,10 @@ def make_config(network: str, rank: int, alpha: float, targets):
 
 def file_kind(config: dict) -> str:
     """"loha" / "lokr" for a peft config dict of those networks, "" for a LoRA."""
-    return _network_of(config)
+    return network_of(config)
 
 
-def _network_of(config: dict) -> str:
+def network_of(config: dict) -> str:
     kind = str(config.get("peft_type", "")).rsplit(".", 1)[-1].upper()
     return {"LOHA": "loha", "LOKR": "lokr"}.get(kind, "")
 
@@ -61,18 +52,20 @@ def file_network(path) -> str:
         meta = (f.metadata() or {}).get(LORA_META)
     if not meta:
         return ""
-    kinds = {_network_of({"peft_type": v}) for k, v in json.loads(meta).items() if k.endswith(".peft_type")}
+    kinds = {network_of({"peft_type": v}) for k, v in json.loads(meta).items() if k.endswith(".peft_type")}
     return next(iter(kinds - {""}), "")
 
 
 def save_peft(path, state_dict: dict, config: dict, component: str):
-    """The train node's file: peft's state dict and config under `component` (diffusers' LoRA file shape)."""
-    from tasks.training.export import write_safetensors
+    """The train node's file: peft's state dict and config under `component` (diffusers' LoRA file shape),
+    written into the node's temporary folder (the node canonicalises and stores it)."""
+    from safetensors.torch import save_file
 
     tensors = {f"{component}.{k}": v.detach().contiguous() for k, v in state_dict.items()}
     meta = {LORA_META: json.dumps({f"{component}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True,
                                   default=str), "format": "pt"}
-    return write_safetensors(path, tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+    return path
 
 
 def read_peft(path) -> tuple[dict, dict, str]:
@@ -94,7 +87,7 @@ def apply_file(model, path) -> None:
     """Put a `save_peft` file's LoHa/LoKr on `model` (peft inject + load). Every tensor must land: a key the
     model has no module for is an error, not a silently weaker network."""
     state_dict, config, _ = read_peft(path)
-    network = _network_of(config)
+    network = network_of(config)
     model.add_adapter(make_config(network, int(config["r"]), float(config["alpha"]), config["target_modules"]))
     result = peft.set_peft_model_state_dict(model, state_dict)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
@@ -111,46 +104,6 @@ def modules_of(state_dict: dict, network: str) -> dict[str, dict]:
             raise ValueError(f"{key}: not a {network} tensor ({', '.join(SUFFIXES[network])})")
         out.setdefault(module, {})[suffix] = t
     return out
-
-
-def to_lycoris(state_dict: dict, config: dict) -> dict:
-    """peft LoHa/LoKr state dict + config -> LyCORIS tensors (`lycoris_<module>.<suffix>`, `.alpha`)."""
-    network = _network_of(config)
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError("per-module rank/alpha patterns are not supported")
-    r, alpha = int(config["r"]), float(config["alpha"])
-    out = {}
-    for module, parts in modules_of(state_dict, network).items():
-        name = "lycoris_" + module.replace(".", "_")
-        parts = {k: v.detach().float().contiguous() for k, v in parts.items()}
-        if network == "lokr":  # peft's alpha / r folded into w1 (or w1_a); alpha = r gives scale 1 everywhere
-            first = "lokr_w1" if "lokr_w1" in parts else "lokr_w1_a"
-            parts[first] = parts[first] * (alpha / r)
-            parts["alpha"] = torch.tensor(float(r))
-        else:
-            parts["alpha"] = torch.tensor(alpha)
-        out.update({f"{name}.{k}": v for k, v in parts.items()})
-    return out
-
-
-def lycoris_metadata(network: str, rank: int, alpha: float, **info) -> dict[str, str]:
-    """kohya-style metadata as LyCORIS writes it (`ss_network_module` lycoris.kohya, the algo in its args)."""
-    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
-    meta.update({"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({"algo": network}),
-                 "ss_network_dim": str(int(rank)),
-                 "ss_network_alpha": str(float(rank if network == "lokr" else alpha))})
-    return meta
-
-
-def save_lycoris(path, src, metadata: dict[str, str]):
-    """The exported LyCORIS file of the train node's file `src`, written atomically."""
-    from tasks.training.export import write_safetensors
-
-    state_dict, config, _ = read_peft(src)
-    network = _network_of(config)
-    meta = lycoris_metadata(network, int(config["r"]), float(config["alpha"]), **metadata)
-    return write_safetensors(path, to_lycoris(state_dict, config), meta)
-
 
 
 def is_lycoris_file(path) -> bool:
