@@ -131,21 +131,30 @@ def test_refusals_name_the_keys():
                for e in validate.config_errors(_cfg("model=tiny_sd15", "train.network=lokr", "train.text_encoder_lr=1e-5")))
 
 
-@pytest.mark.parametrize("family,network", [("flux", "lokr"), ("sd15", "loha")])
-def test_dag_trains_samples_and_exports(family, network, tmp_path):
+# SD1.5 LoHa also with what touches the network's file elsewhere: the EMA file, samples during training, fp8 base
+EXTRA = ["train.ema_decay=0.9", "sample.every_n_steps=2", "model.storage_dtype=float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("family,network,extra", [("flux", "lokr", []), ("sd15", "loha", EXTRA)],
+                         ids=["flux-lokr", "sd15-loha-ema-fp8"])
+def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     """Through the nodes: the LoRA trains (factors move), the sample node renders with it (not the base image),
     the run has one LyCORIS file as `lycoris` and `comfyui`, and that file put back on the model is the trained
     network: every module's delta equal to the train node's to float32 rounding."""
     root = tmp_path / "store"
     common = [f"store.root={root}", f"model=tiny_{family}", "train.batch_size=2", "train.max_steps=3", "train.lr=0.02",
-              "train.log_with=none", "sample.steps=2"]
+              "train.log_with=none", "sample.steps=2", *extra]
     cfg = _cfg(*common, f"train.network={network}")
     store = Store(root)
     plan = validate.run(cfg, store)
     latents, texts = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     lora = train.run(cfg, plan, store, latents["items"], texts["items"])
     files = publish.publish(cfg, plan, store, tmp_path / "run", {**lora, "lora": lora["lora"]}, [])["lora_files"]
-    assert set(files) == {"lycoris", "comfyui"} and files["lycoris"] == files["comfyui"]
+    assert set(files) == {"lycoris", "comfyui"} | ({"ema"} if extra else set())
+    assert files["lycoris"] == files["comfyui"]
+    if extra:  # the EMA weights in the same layout; samples rendered at step 2 through the live network
+        assert load_file(files["ema"]).keys() == load_file(files["lycoris"]).keys()
+        assert lora["checkpoint_samples"].get("2")
     exported = load_file(files["lycoris"])
     assert exported and all(k.startswith("lycoris_") for k in exported)
     assert lycoris.file_network(lora["lora"]) == network

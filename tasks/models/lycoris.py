@@ -11,6 +11,7 @@ file of them, and putting a file back on a model for sampling.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tasks.lazy import lazy
 
@@ -64,8 +65,9 @@ def save_peft(path, state_dict: dict, config: dict, component: str):
     tensors = {f"{component}.{k}": v.detach().contiguous() for k, v in state_dict.items()}
     meta = {LORA_META: json.dumps({f"{component}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True,
                                   default=str), "format": "pt"}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as diffusers' save_lora_weights makes its folder
     save_file(tensors, str(path), metadata=meta)
-    return path
+    return Path(path)
 
 
 def read_peft(path) -> tuple[dict, dict, str]:
