@@ -31,7 +31,11 @@ def scale_halved(src: Path, dst: Path) -> None:
 
     tensors = load_file(str(src))
     has_alpha = any(k.endswith(".alpha") for k in tensors)
-    out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
+    if any(".lokr_w1" in k for k in tensors):  # a LyCORIS LoKr file carries its scale in w1 (export_lycoris.py)
+        scaled = (".lokr_w1", ".lokr_w1_a")
+        out = {k: v / 2 if k.endswith(scaled) else v for k, v in tensors.items()}
+    else:
+        out = {k: v / 2 if (k.endswith(".alpha") if has_alpha else ".lora_B." in k) else v for k, v in tensors.items()}
     save_file(out, str(dst), metadata=_metadata(src))
 
 

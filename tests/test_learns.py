@@ -17,7 +17,8 @@ from bench import learns
 from learning import FILES
 
 FAST = ["tiny_flux", "tiny_sd15"]  # a flow-matching transformer and a DDPM UNet: both loss kinds
-CHECKED = [*FAST, "demo_flux"]  # and the pretrained demo base (data/demo_base), at its own bound
+# and the pretrained demo base (data/demo_base), at its own bound; and LoKr / LoHa (their LyCORIS file)
+CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("model", CHECKED)
 def test_lora_memorises_its_image(model, trained):
     _, _, r = trained(model)
-    assert set(r["files"]) == {"diffusers", "kohya"}
+    assert set(r["files"]) == ({"lycoris"} if "+lo" in model else {"diffusers", "kohya"})
     for fmt, ratio in r["files"].items():
         assert ratio <= learns.bound(model), \
             f"{model} {fmt} ({r['loaders'][fmt]}): err ratio {ratio:.4f} > {learns.bound(model)}"
