@@ -135,8 +135,11 @@ def test_refusals_name_the_keys():
 EXTRA = ["train.ema_decay=0.9", "sample.every_n_steps=2", "model.storage_dtype=float8_e4m3fn"]
 
 
-@pytest.mark.parametrize("family,network,extra", [("flux", "lokr", []), ("sd15", "loha", EXTRA)],
-                         ids=["flux-lokr", "sd15-loha-ema-fp8"])
+DAG = [("flux", "lokr", []), ("sd15", "loha", EXTRA), ("sd3", "loha", []), ("sdxl", "lokr", []),
+       ("zimage", "lokr", []), ("qwenimage", "loha", []), ("flux2_klein", "lokr", []), ("flux2_dev", "loha", [])]
+
+
+@pytest.mark.parametrize("family,network,extra", DAG, ids=[f"{f}-{n}" + ("-ema-fp8" if e else "") for f, n, e in DAG])
 def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     """Through the nodes: the LoRA trains (factors move), the sample node renders with it (not the base image),
     the run has one LyCORIS file as `lycoris` and `comfyui`, and that file put back on the model is the trained
@@ -167,14 +170,17 @@ def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     other = dict(back.named_modules())
     sd, config, _ = lycoris.read_peft(lora["lora"])
     parts = lycoris.modules_of(sd, network)
-    moved = 0
+    # SD3's last block is context_pre_only: its context queries' output is discarded, so add_q_proj gets no
+    # gradient (tiny SD3 has one block)
+    unused = {"sd3": {"transformer_blocks.0.attn.add_q_proj"}}.get(family, set())
+    moved = len(unused)
     for name, layer in layers.items():
         want = layer.get_delta_weight("default").double()
         got = other[name].get_delta_weight("default").double()
-        moved += int(want.abs().max() > 0)
+        moved += int(want.abs().max() > 0 and name not in unused)
         bound = rounding(config["r"], stages=3, magnitude=_magnitude(parts[name], config["alpha"] / config["r"]))
         assert (got - want).abs().max().item() <= bound, name
-    assert moved == len(layers), f"{len(layers) - moved} module(s) did not train"
+    assert moved == len(layers), [n for n, m in layers.items() if not m.get_delta_weight("default").abs().max() > 0]
 
     rendered = sample.run(cfg, plan, store, lora["key"], lora["lora"], texts["items"])["samples"]
     base = sample.run(cfg, plan, store, lora["key"] + "-base", _zero_like(lora["lora"], tmp_path), texts["items"])
