@@ -5,6 +5,7 @@ import logging
 
 from PIL import ImageOps
 
+from tasks.data import masks
 from tasks.data.images import image_to_tensor_and_geometry, read_image
 from tasks.store.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
@@ -37,15 +38,36 @@ def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
     return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip})
 
 
+MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
+
+
+def _mask_key(plan: dict, it: dict) -> str:
+    # the mask's bytes and the geometry only: a VAE or dtype change leaves masks as they are (tasks/data/masks.py)
+    flip = {"flip": "horizontal"} if "flip_of" in it else {}
+    return key_of({"node": "cache_latents", "code": CODE_VERSION, "mask": it["mask_kind"], "digest": it["mask_digest"],
+                   "size": it.get("size", plan["size"]), "resize": "cover+center-crop+bicubic", **flip})
+
+
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
+    """{item name: its latent's key}, and {"mask:<name>": its mask's key} for the items with a loss mask."""
     p = params(cfg, plan)
-    return {it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in plan["items"]}
+    return {**{it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in plan["items"]},
+            **{MASK + it["name"]: _mask_key(plan, it) for it in plan["items"] if "mask" in it}}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
     return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]},
             **{f"size:{it['name']}": it["size"] for it in plan["items"] if "size" in it},
-            **{f"flip:{it['name']}": "horizontal" for it in plan["items"] if "flip_of" in it}}
+            **{f"flip:{it['name']}": "horizontal" for it in plan["items"] if "flip_of" in it},
+            **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan["items"] if "mask" in it}}
+
+
+def _write_masks(store: Store, plan: dict, todo: list[dict], keys: dict[str, str]) -> None:
+    """Each item's mask through its image's resize and crop (tasks/data/masks.py), uint8, one entry each."""
+    for it in todo:
+        img = masks.mask_image(it["mask"], it["mask_kind"])
+        pixels = masks.mask_pixels(img, *it.get("size", plan["size"]), flip="flip_of" in it)
+        store.put_tensors(KIND, keys[MASK + it["name"]], {"mask": pixels}, meta={"mask": it["name"]}, recomputable=True)
 
 
 # Batch size 1 by default: an item's bytes must not depend on which other items shared its batch
@@ -68,8 +90,12 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
-    if status.missing:
-        missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
+    missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
+    mask_todo = [it for it in plan["items"] if MASK + it["name"] in keys and keys[MASK + it["name"]] in missing]
+    if mask_todo:  # no VAE: a mask edit computes that mask alone
+        _write_masks(store, plan, list({keys[MASK + it["name"]]: it for it in mask_todo}.values()), keys)
+        log.info("cache_latents: made %d loss mask(s)", len(mask_todo))
+    if missing - {keys[MASK + it["name"]] for it in mask_todo}:
         todo = [it for it in plan["items"] if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
@@ -94,7 +120,7 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
                     extra = geom if adapter.size_conditioning else {}
                     writes.submit(store.put_tensors, KIND, key, {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
-        log.info("cache_latents: encoded %d image(s), reused %d", len(status.missing), len(status.reused))
+        log.info("cache_latents: encoded %d image(s), reused %d", len(todo), len(status.reused))
         del vae
         if edited:
             raise ConfigError(f"cache_latents: {len(edited)} image(s) changed on disk after validate: "

@@ -67,6 +67,10 @@ class DataConfig:
     # every one listed; skip: such files are left out (listed in report.json 'dataset'), the rest trains.
     bad_files: str = "error"
     caption_extension: str = ".txt"
+    # Masked loss (tasks/data/masks.py): a grayscale mask per image by stem in mask_dir (white trains), or each
+    # image's own alpha channel; the loss of masked-out pixels is zeroed (sd-scripts' apply_masked_loss).
+    mask_dir: Optional[str] = None
+    alpha_mask: bool = False
     # Aspect-ratio buckets: each image trains at the bucket nearest its aspect (about the area of
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tasks.store import Store
@@ -121,3 +122,20 @@ def load_once(memo: dict | None, key: tuple, load):
     if key not in memo:
         memo[key] = load()
     return memo[key]
+
+
+class Memo(OrderedDict):
+    """Stored tensors kept in RAM up to `size` entries, the least recently used dropped first."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or_load(self, key, load):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = load()
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value

@@ -8,14 +8,13 @@ import logging
 import sys
 import time
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tasks.data import augment
+from tasks.data import augment, masks
 from tasks import cache_latents, cache_text
 from tasks.training import checkpoint_samples, checkpoints, interrupt, validation
 from tasks.models import text_encoder_lora as te_lora
@@ -24,7 +23,7 @@ from tasks.training.checkpoints import checkpoint_key, latest_checkpoint, load_c
 from tasks.training.checkpoints import save_checkpoint as _save_checkpoint  # tests wrap it to fail after a save
 from tasks.store.formats import canonicalize_safetensors
 from tasks.store.hashing import key_int, key_of
-from tasks.items import check_items, node_result, prefetch
+from tasks.items import Memo as _Memo, check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.store import Store
@@ -120,23 +119,6 @@ def loss_weights(items: list[dict], prior_loss_weight: float) -> list[float]:
 MEMO_ITEMS = 4096  # per kind; about 4 GiB of 1024px Flux latents. Beyond it, items are read again as needed
 
 
-class _Memo(OrderedDict):
-    """Stored tensors kept in RAM up to `size` entries, the least recently used dropped first."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size = size
-
-    def get_or_load(self, key, load):
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        value = self[key] = load()
-        if len(self) > self.size:
-            self.popitem(last=False)
-        return value
-
-
 class _Latents:
     """Cached latents by item index, read from the store when a batch needs them (in the loader thread
     with CUDA) and kept in a bounded memo: a dataset that does not fit in RAM trains too. The shapes (for
@@ -170,6 +152,7 @@ class _Batch:
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
     item_weights: list[float] | None = None  # per-item loss weights (reg images); None: all 1
+    loss_mask: torch.Tensor | None = None  # uint8 [B, 1, H, W] pixel masks (data.mask_dir / alpha_mask)
 
 
 def overlap_loading() -> bool:
@@ -205,6 +188,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     adapter = make_adapter(cfg["model"], plan["model_dir"])
     names = [it["name"] for it in plan["items"]]
     latents = _Latents(store, [latent_keys[n] for n in names])
+    mask_keys = [latent_keys.get(masks.PREFIX + n) for n in names]  # masked loss: tasks/data/masks.py
     texts = _Captions(cfg, plan, store, adapter, text_keys)
 
     seed = int(tc["seed"])
@@ -276,8 +260,11 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
         text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
         item_weights = [weights[idx[j]] for j in mine]
+        mask = (torch.stack([store.get_tensors(cache_latents.KIND, mask_keys[idx[j]])["mask"] for j in mine])
+                if mask_keys[idx[0]] else None)
         return _Batch(weight, gens, _pinned(torch.stack([d["latents"] for d in stored])),
-                      {k: _pinned(v) for k, v in text.items()}, None if set(item_weights) == {1.0} else item_weights)
+                      {k: _pinned(v) for k, v in text.items()}, None if set(item_weights) == {1.0} else item_weights,
+                      mask)
 
     progress = tqdm(total=tc["max_steps"], initial=start, desc="train", unit="step", disable=None if main else True)
     steps = list(range(start + 1, tc["max_steps"] + 1))
@@ -296,6 +283,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
             text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
             # reg images' weights reach the loss through the train config (tasks/models/losses.py: item_weights)
             step_cfg = tc if batch.item_weights is None else {**tc, "item_weights": batch.item_weights}
+            if batch.loss_mask is not None:  # and the masks, on the latent grid (tasks/models/losses.py: masked)
+                grid = masks.on_latent_grid(batch.loss_mask.to(accelerator.device), batch_latents.shape[-2:])
+                step_cfg = {**step_cfg, "loss_mask": grid}
             with accelerator.autocast():
                 part = adapter.training_loss(denoiser, batch_latents, text, step_cfg, scheduler, gens)
             accelerator.backward(part * weight)

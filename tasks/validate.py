@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks.data import augment, subsets
+from tasks.data import augment, masks, subsets
 from tasks.training import memory, validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
@@ -310,6 +310,11 @@ def run(cfg: dict, store: Store) -> dict:
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
+    if masks.enabled(dc):  # data.mask_dir / data.alpha_mask: each item's mask (tasks/data/masks.py)
+        plan_items, left_out = masks.attach(dc, plan_items, items)
+        kept = {e["name"] for e in plan_items}
+        items = [t for t in items if t[1] in kept]
+        dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
         buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
         for entry, (it, _, _) in zip(plan_items, items):

@@ -30,8 +30,18 @@ def elementwise(pred: torch.Tensor, target: torch.Tensor, train_cfg: dict) -> to
     diff = pred.float() - target.float()
     if train_cfg.get("loss", "l2") == "huber":
         c = float(train_cfg["huber_c"])
-        return 2 * c * (torch.sqrt(diff ** 2 + c ** 2) - c)
-    return diff ** 2
+        loss = 2 * c * (torch.sqrt(diff ** 2 + c ** 2) - c)
+    else:
+        loss = diff ** 2
+    return masked(loss, train_cfg)
+
+
+def masked(loss: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+    """data.mask_dir / alpha_mask: the per-element loss times the item's mask on the latent grid ([B, 1, h, w],
+    broadcast over channels), as sd-scripts' apply_masked_loss; the mean stays over every element (not over
+    the mask's area), as there, so a learning rate tuned in sd-scripts means the same here."""
+    mask = train_cfg.get("loss_mask")
+    return loss if mask is None else loss * mask.to(loss.device, loss.dtype)
 
 
 def min_snr_weights(scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -59,7 +69,8 @@ def item_weighted(per_item: torch.Tensor, train_cfg: dict) -> torch.Tensor:
 def ddpm_loss(pred, target, train_cfg: dict, scheduler, timesteps) -> torch.Tensor:
     """The epsilon / v-prediction families' mean loss (SD1.5, SDXL)."""
     gamma = train_cfg.get("min_snr_gamma")
-    if train_cfg.get("loss", "l2") == "l2" and gamma is None and train_cfg.get("item_weights") is None:
+    if train_cfg.get("loss", "l2") == "l2" and gamma is None and train_cfg.get("item_weights") is None \
+            and train_cfg.get("loss_mask") is None:
         return F.mse_loss(pred.float(), target.float(), reduction="mean")  # the examples' loss, unchanged
     per_item = elementwise(pred, target, train_cfg).mean(dim=list(range(1, pred.ndim)))
     if gamma is not None:
