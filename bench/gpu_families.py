@@ -35,6 +35,10 @@ VARIANTS = {
     "fp16": ["model.dtype=float16", "train.mixed_precision=fp16"],
     "fp8+adamw8bit": ["model.storage_dtype=float8_e4m3fn", "train.optimizer=adamw8bit", "train.mixed_precision=bf16"],
     "cpu": [],  # the defaults: for checking this runner where there is no GPU
+    # LoKr / LoHa (peft, applied in memory for sampling; the LyCORIS export), the latter with the masked-loss
+    # path on (data.alpha_mask: the demo images have no alpha, so every mask is all ones)
+    "lokr+bf16": ["train.network=lokr", "train.mixed_precision=bf16"],
+    "loha+alpha_mask+bf16": ["train.network=loha", "data.alpha_mask=true", "train.mixed_precision=bf16"],
 }
 COMMON = ["data.resolution=64", "train.max_steps=20", "train.log_every=5", "train.batch_size=2", "sample.steps=4"]
 

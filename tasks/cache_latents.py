@@ -93,8 +93,9 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
     mask_todo = [it for it in plan["items"] if MASK + it["name"] in keys and keys[MASK + it["name"]] in missing]
     if mask_todo:  # no VAE: a mask edit computes that mask alone
-        _write_masks(store, plan, list({keys[MASK + it["name"]]: it for it in mask_todo}.values()), keys)
-        log.info("cache_latents: made %d loss mask(s)", len(mask_todo))
+        distinct = list({keys[MASK + it["name"]]: it for it in mask_todo}.values())  # identical masks: one entry
+        _write_masks(store, plan, distinct, keys)
+        log.info("cache_latents: made %d loss mask(s)", len(distinct))
     if missing - {keys[MASK + it["name"]] for it in mask_todo}:
         todo = [it for it in plan["items"] if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
