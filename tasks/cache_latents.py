@@ -5,7 +5,7 @@ import logging
 
 from PIL import ImageOps
 
-from tasks.data import masks
+from tasks.data import controls, masks
 from tasks.data.images import image_to_tensor_and_geometry, read_image
 from tasks.store.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
@@ -48,17 +48,30 @@ def _mask_key(plan: dict, it: dict) -> str:
                    "size": it.get("size", plan["size"]), "resize": "cover+center-crop+bicubic", **flip})
 
 
+def latent_items(plan: dict) -> list[dict]:
+    """What is encoded: each image, and each control image of an edit pair (data.control_dirs) as an item
+    `control:<image>:<k>` at its target's size, mirrored with it (tasks/data/controls.py)."""
+    out = list(plan["items"])
+    for it in plan["items"]:
+        for k, (path, digest) in enumerate(it.get("controls", [])):
+            out.append({"name": controls.item_name(it["name"], k), "image": path, "image_digest": digest,
+                        **{f: it[f] for f in ("size", "flip_of") if f in it}})
+    return out
+
+
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
-    """{item name: its latent's key}, and {"mask:<name>": its mask's key} for the items with a loss mask."""
+    """{item name: its latent's key} (control images too), and {"mask:<name>": its mask's key} for the items
+    with a loss mask."""
     p = params(cfg, plan)
-    return {**{it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in plan["items"]},
+    return {**{it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in latent_items(plan)},
             **{MASK + it["name"]: _mask_key(plan, it) for it in plan["items"] if "mask" in it}}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
-    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]},
-            **{f"size:{it['name']}": it["size"] for it in plan["items"] if "size" in it},
-            **{f"flip:{it['name']}": "horizontal" for it in plan["items"] if "flip_of" in it},
+    items = latent_items(plan)
+    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in items},
+            **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
+            **{f"flip:{it['name']}": "horizontal" for it in items if "flip_of" in it},
             **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan["items"] if "mask" in it}}
 
 
@@ -97,7 +110,7 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
         _write_masks(store, plan, distinct, keys)
         log.info("cache_latents: made %d loss mask(s)", len(distinct))
     if missing - {keys[MASK + it["name"]] for it in mask_todo}:
-        todo = [it for it in plan["items"] if keys[it["name"]] in missing]
+        todo = [it for it in latent_items(plan) if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         vae = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_vae)

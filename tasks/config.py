@@ -71,6 +71,8 @@ class DataConfig:
     # image's own alpha channel; the loss of masked-out pixels is zeroed (sd-scripts' apply_masked_loss).
     mask_dir: Optional[str] = None
     alpha_mask: bool = False
+    # Edit pairs (tasks/data/controls.py): control images by the target's stem, one folder per reference
+    control_dirs: List[str] = field(default_factory=list)
     # Aspect-ratio buckets: each image trains at the bucket nearest its aspect (about the area of
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False

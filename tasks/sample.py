@@ -9,6 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from tasks import cache_text
+from tasks.data import controls
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
@@ -46,8 +47,23 @@ def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str,
         text_keys = {"empty": key(""), **{f"{kind}:{p['line']}": key(p[kind]) for p in plan["prompts"]
                                           for kind in ("prompt", "negative") if p[kind]}}
     return {f"prompt:{p['line']}": {**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
-                                    "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys["empty"]}
+                                    "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys["empty"],
+                                    **control_inputs(p)}
             for p in plan["prompts"]}
+
+
+def control_inputs(prompt: dict) -> dict:
+    """A prompt's --i control images in its key, by content ({} without: keys stay as they were)."""
+    return {"images": [digest for _, digest in prompt["images"]]} if prompt.get("images") else {}
+
+
+def render(adapter, pipe, texts: tuple, s: dict, prompt: dict):
+    """One sample from cached texts (prompt, negative, empty) with settings `s`; for an edit family with the
+    prompt's --i control images, fitted to the sample's size as its pairs trained, and saved beside them."""
+    images = [controls.fitted(f, s["width"], s["height"]) for f, _ in prompt.get("images", [])]
+    image = adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in texts), **s,
+                           **({"controls": images} if images else {}))
+    return controls.beside(images, image) if images else image
 
 
 def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
@@ -98,7 +114,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             prompt = tensors(f"prompt:{p['line']}", p["prompt"])
             negative = tensors(f"negative:{p['line']}", p["negative"]) if p["negative"] else None
             empty = tensors("empty", "")
-            image = adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in (prompt, negative, empty)), **s)
+            image = render(adapter, pipe, (prompt, negative, empty), s, p)
             with store.tmp_dir("sample") as tmp:
                 png = Path(tmp) / "sample.png"
                 image.save(png)

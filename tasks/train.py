@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tasks.data import augment, masks
+from tasks.data import augment, controls, masks
 from tasks import cache_latents, cache_text
 from tasks.training import checkpoint_samples, checkpoints, interrupt, validation
 from tasks.models import text_encoder_lora as te_lora
@@ -189,6 +189,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
     names = [it["name"] for it in plan["items"]]
     latents = _Latents(store, [latent_keys[n] for n in names])
     mask_keys = [latent_keys.get(masks.PREFIX + n) for n in names]  # masked loss: tasks/data/masks.py
+    control_keys = [[latent_keys[controls.item_name(it["name"], k)] for k in range(len(it.get("controls", [])))]
+                    for it in plan["items"]]  # edit pairs: each item's control latents (tasks/data/controls.py)
     texts = _Captions(cfg, plan, store, adapter, text_keys)
 
     seed = int(tc["seed"])
@@ -259,6 +261,9 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         text = _stack([texts.get(idx[j], step, g) for j, g in zip(mine, gens)])
         stored = [latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
         text.update(_stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
+        if control_keys[idx[0]]:  # [B, K, C, h, w]: the adapter packs them beside the noisy latents
+            text["control_latents"] = torch.stack([torch.stack([store.get_tensors(cache_latents.KIND, k)["latents"]
+                                                                for k in control_keys[idx[j]]]) for j in mine])
         item_weights = [weights[idx[j]] for j in mine]
         mask = (torch.stack([store.get_tensors(cache_latents.KIND, mask_keys[idx[j]])["mask"] for j in mine])
                 if mask_keys[idx[0]] else None)

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks.data import augment, masks, subsets
+from tasks.data import augment, controls, masks, subsets
 from tasks.training import memory, validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
@@ -178,7 +178,8 @@ def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dic
         width = p.width and max(multiple, p.width // multiple * multiple)
         height = p.height and max(multiple, p.height // multiple * multiple)
         planned.append({"line": p.line, "prompt": p.prompt, "negative": p.negative, "width": width, "height": height,
-                        "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg, "seed": p.seed})
+                        "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg, "seed": p.seed,
+                        **controls.prompt_images(p, prompts_file)})
     return planned, warnings
 
 
@@ -196,7 +197,7 @@ def config_errors(cfg: dict) -> list[str]:
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
-    errors += te_lora.errors(cfg, adapter_cls)
+    errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg["data"], cfg["model"]["family"], adapter_cls.max_controls)
     if cfg["data"]["random_crop"]:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
@@ -310,11 +311,14 @@ def run(cfg: dict, store: Store) -> dict:
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
-    if masks.enabled(dc):  # data.mask_dir / data.alpha_mask: each item's mask (tasks/data/masks.py)
-        plan_items, left_out = masks.attach(dc, plan_items, items)
+    for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc["control_dirs"] else []):
+        plan_items, left_out = attach(dc, plan_items, items)  # each item's mask / control images
         kept = {e["name"] for e in plan_items}
         items = [t for t in items if t[1] in kept]
         dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
+    if any(p.get("images") for p in plan_prompts) and not adapter_cls.max_controls:
+        raise ConfigError(f"sample.prompts_file: --i gives a control image, which model.family={family} does not "
+                          "take; remove --i or train an edit family")
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
         buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
         for entry, (it, _, _) in zip(plan_items, items):

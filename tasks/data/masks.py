@@ -28,10 +28,10 @@ def enabled(dc: dict) -> bool:
     return bool(dc.get("mask_dir")) or bool(dc.get("alpha_mask"))
 
 
-def mask_file(mask_dir, image_name: str) -> Path | None:
-    """The mask of image `image_name` (its path relative to its folder): the same relative path and stem in
-    mask_dir, any image extension."""
-    stem = Path(mask_dir) / Path(image_name).with_suffix("")
+def file_by_stem(folder, image_name: str) -> Path | None:
+    """The file in `folder` with image `image_name`'s relative path and stem, any image extension (a mask, a
+    control image), or None."""
+    stem = Path(folder) / Path(image_name).with_suffix("")
     for ext in IMAGE_EXTS:
         for candidate in (stem.with_name(stem.name + ext), stem.with_name(stem.name + ext.upper())):
             if candidate.is_file():
@@ -107,7 +107,7 @@ def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], l
     kept, bad = [], []
     for entry, (it, name, _) in zip(plan_items, items):
         if dc.get("mask_dir"):
-            found = mask_file(dc["mask_dir"], it.name)
+            found = file_by_stem(dc["mask_dir"], it.name)
             if found is None:
                 bad.append((name, f"no mask {Path(it.name).with_suffix('')}.<{'|'.join(e[1:] for e in IMAGE_EXTS)}> "
                                   f"in data.mask_dir={dc['mask_dir']}"))

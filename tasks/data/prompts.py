@@ -3,6 +3,7 @@
 One prompt per line: the prompt text, then options introduced by " --":
   --n <negative text>  --w <width>  --h <height>  --s <steps>
   --l <guidance scale>  --g <true CFG scale>  --d <seed>
+  --i <control image>  (repeatable: an edit family's reference image(s); relative to the prompts file's folder)
 Blank lines and lines starting with '#' are ignored. Pure core: no prefect/hydra.
 """
 
@@ -25,6 +26,7 @@ class SamplePrompt:
     guidance: float | None = None  # --l
     true_cfg: float | None = None  # --g
     seed: int | None = None  # --d
+    images: tuple[str, ...] = ()  # --i, repeatable: control images of edit families
 
 
 class PromptLineError(ValueError):
@@ -44,6 +46,7 @@ _OPTIONS = {
     "l": ("guidance", "float"),
     "g": ("true_cfg", "float"),
     "d": ("seed", "seed"),
+    "i": ("images", "path"),
 }
 _OPTION_RE = re.compile(r"([A-Za-z]+)(?:\s+(.*))?$", re.S)
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -56,6 +59,10 @@ _MAX = {"w": MAX_SIDE, "h": MAX_SIDE, "s": MAX_STEPS, "d": MAX_SEED}
 
 def _convert(value: str, kind: str, opt: str, line: int):
     if kind == "text":
+        return value
+    if kind == "path":
+        if not value:
+            raise PromptLineError(line, f"option --{opt} needs an image path", opt)
         return value
     if not value:
         raise PromptLineError(line, f"option --{opt} needs a value", opt)
@@ -106,6 +113,9 @@ def parse_prompt_line(text: str, line: int) -> SamplePrompt | None:
             known = ", ".join(f"--{k}" for k in _OPTIONS)
             raise PromptLineError(line, f"unknown option --{m.group(1)} (known: {known})", opt)
         name, kind = _OPTIONS[opt]
+        if kind == "path":  # --i repeats: one per control image
+            fields[name] = (*fields.get(name, ()), _convert(value, kind, opt, line))
+            continue
         if name in fields:  # a repeated option is almost always a typo; don't guess which wins
             raise PromptLineError(line, f"option --{opt} given more than once", opt)
         fields[name] = _convert(value, kind, opt, line)

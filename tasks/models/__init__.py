@@ -20,6 +20,7 @@ SINGLE_FILE_VERSION = "1"
 # family -> (adapter class, tiny builder), as "module:name" so a family's heavy imports load only when used.
 FAMILIES = {
     "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny:build_tiny_flux"),
+    "flux_kontext": ("tasks.models.flux_kontext:FluxKontextAdapter", "tasks.models.tiny:build_tiny_flux_kontext"),
     "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny_families:build_tiny_sd3"),
     "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny_families:build_tiny_sdxl"),
     "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),

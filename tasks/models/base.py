@@ -133,6 +133,9 @@ class FamilyAdapter(ABC):
     flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/flow_matching.py)
     # train.text_encoder_lr (tasks/models/text_encoder_lora.py): the pipeline's text encoders that get a LoRA and the
     # modules it targets in them; () = the family trains no text encoder (the setting is refused)
+    # Edit families: how many control images (data.control_dirs, --i) a sample takes; 0: none (text-to-image).
+    # Their training_loss reads text["control_latents"] ([B, K, C, h, w]) and their sample takes `controls`.
+    max_controls = 0
     text_encoder_lora_modules: tuple[str, ...] = ()
     text_encoder_lora_targets: tuple[str, ...] = ()
 

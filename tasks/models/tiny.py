@@ -181,3 +181,15 @@ def build_tiny_flux(out_dir: str | Path, seed: int = 0, arch: dict | None = None
                         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def build_tiny_flux_kontext(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+    """The tiny Flux of `build_tiny_flux` as a FLUX.1 Kontext pipeline folder: Kontext has FLUX.1's components
+    and architecture (its transformer learns to read the control image's tokens), so only the pipeline class
+    in model_index.json differs. Load with `FluxKontextPipeline.from_pretrained(out_dir)`."""
+    import json
+
+    out_dir = build_tiny_flux(out_dir, seed=seed, arch=arch)
+    index = out_dir / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "FluxKontextPipeline"}, indent=2))
+    return out_dir

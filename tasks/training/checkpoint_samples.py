@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import cache_text, sample
-from tasks.models.base import on_pipeline_device
 from tasks.training import checkpoints
 from tasks.store.hashing import key_of
 from tasks.data.prompts import read_prompts
@@ -170,14 +169,15 @@ class CheckpointSampler:
             s = sample.settings(self.cfg, self.plan, p)
             key = key_of({"node": "checkpoint_sample", "code": CODE_VERSION, "state": state_key, **s,
                           "model": self.plan["ids"]["sample"], "prompt": keys[p["prompt"]],
-                          "negative": keys[p["negative"]] if p["negative"] else None, "empty": keys[""]})
+                          "negative": keys[p["negative"]] if p["negative"] else None, "empty": keys[""],
+                          **sample.control_inputs(p)})
             if not self.store.valid(sample.KIND, key):
                 if pipe is None:
                     pipe = self.adapter.load_sampler(None, denoiser=denoiser)
                     denoiser.eval()
                 try:
                     texts = (tensors(p["prompt"]), tensors(p["negative"]) if p["negative"] else None, tensors(""))
-                    image = self.adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in texts), **s)
+                    image = sample.render(self.adapter, pipe, texts, s, p)
                 except Exception as e:  # noqa: BLE001 -- one bad prompt costs its image only
                     self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
                     continue

@@ -50,7 +50,7 @@ state_dict_utils = lazy("diffusers.utils.state_dict_utils")
 safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
-FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
+FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -102,15 +102,16 @@ _RULES["flux2_klein"] = [  # BFL FLUX.2 names, as diffusers' _convert_kohya_flux
     (_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{}_linear1", 1),  # already one fused Linear in diffusers
     (_S + r"attn\.to_out", "single_blocks_{}_linear2", 1),
 ]
+_RULES["flux_kontext"] = _RULES["flux"]  # FLUX.1 Kontext: FLUX.1's transformer, the same BFL names
 _RULES["flux2_dev"] = _RULES["flux2_klein"]  # the same transformer; Flux2Pipeline reads the same converter
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
 _SLOT_WIDTH = (1, 1, 1, 4)
 # Modules no kohya loader of the family has (sd-scripts' strict load fails on them): left out, with a warning.
-_DROP = {"flux": r"proj_out"}
+_DROP = {"flux": r"proj_out", "flux_kontext": r"proj_out"}
 
-_META = {"flux": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
+_META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
          "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev")}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tasks.data import augment, masks
+from tasks.data import augment, controls, masks
 from tasks import cache_text
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of, key_of_hex
@@ -44,6 +44,7 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     def pair(it):
         draws = _draws(it)
         mask = [latent_keys[k]] if (k := masks.PREFIX + it["name"]) in latent_keys else []  # data.mask_dir
+        mask += [latent_keys[controls.item_name(it["name"], k)] for k in range(len(it.get("controls", [])))]
         if draws:
             return key_of([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *draws, *mask])
         return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *mask])

@@ -1,0 +1,107 @@
+"""Edit pairs (`data.control_dirs`) and control images of sample prompts (`--i`): which control image(s) go with
+each training image and each sample prompt, by content.
+
+A training image's control images are the files with its relative path and stem in each of data.control_dirs,
+in the order of the list (the kohya / musubi-tuner convention). Each is resized and centre-cropped to its
+target's training size and cached as a latent like the target (cache_latents: item `control:<image>:<k>`),
+keyed by its bytes: a control edit encodes that control alone. diffusers' Kontext training example resizes a
+pair's control image with its target's transforms; so does this.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image
+
+from tasks.data.images import check_image, load_image
+from tasks.data.masks import file_by_stem
+
+PREFIX = "control:"  # cache_latents' item key of an item's k-th control: "control:<item name>:<k>"
+
+
+def item_name(name: str, k: int) -> str:
+    return f"{PREFIX}{name}:{k}"
+
+
+def errors(dc: dict, family: str, max_controls: int) -> list[str]:
+    dirs = list(dc.get("control_dirs") or [])
+    if dirs and not max_controls:
+        return [f"data.control_dirs: model.family={family} takes no control image; an edit family does "
+                "(tiny_flux_kontext / flux_kontext): set data.control_dirs=[] or pick one"]
+    if len(dirs) > max_controls:
+        return [f"data.control_dirs has {len(dirs)} folders; model.family={family} takes at most {max_controls} "
+                "control image(s) per sample"]
+    out = [f"data.control_dirs: {d} is not a folder" for d in dirs if not Path(d).is_dir()]
+    if dirs and dc.get("validation_split"):  # tasks/training/validation.py scores without the control latents
+        out.append("data.validation_split with data.control_dirs: the validation loss does not read control "
+                   "images yet; set data.validation_split=0")
+    return out
+
+
+def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], list[dict]]:
+    """Each plan item with `controls`: [[file, sha256], ...] in data.control_dirs' order. `items`: (dataset Item,
+    plan name, subset). Returns (the items that train, findings of those left out by data.bad_files=skip); with
+    data.bad_files=error a missing or unreadable control image is a ConfigError naming every one."""
+    from tasks.config import ConfigError
+    from tasks.store.hashing import digest_file
+
+    kept, bad = [], []
+    for entry, (it, name, _) in zip(plan_items, items):
+        found, why = [], None
+        for folder in dc["control_dirs"]:
+            f = file_by_stem(folder, it.name)
+            if f is None:
+                why = f"no control image {Path(it.name).with_suffix('')}.* in {folder} (data.control_dirs)"
+                break
+            if reason := check_image(f):
+                why = f"control image {f}: {reason}"
+                break
+            found.append([str(f), digest_file(f)])
+        if why:
+            bad.append((name, why))
+        else:
+            kept.append({**entry, "controls": found})
+    if bad and dc.get("bad_files", "error") != "skip":
+        lines = "\n".join(f"  - {n}: {why}" for n, why in bad)
+        raise ConfigError(f"edit pairs: {len(bad)} image(s) without a usable control image:\n{lines}\n  add or fix "
+                          "them, or set data.bad_files=skip to leave these images out")
+    if not kept:
+        raise ConfigError(f"edit pairs: no image has a usable control image, e.g. {bad[0][0]}: {bad[0][1]}")
+    return kept, [{"file": n, "reason": why, "policy": "skipped"} for n, why in bad]
+
+
+def prompt_images(p, prompts_file) -> dict:
+    """A sample prompt's `--i` images as plan entries ({"images": [[file, sha256], ...]}; {} without --i), each
+    path relative to the prompts file's folder unless absolute."""
+    from tasks.config import ConfigError
+    from tasks.store.hashing import digest_file
+
+    out = []
+    for raw in p.images:
+        f = Path(raw).expanduser()
+        f = f if f.is_absolute() else Path(prompts_file).parent / f
+        if reason := (check_image(f) if f.is_file() else "no such file"):
+            raise ConfigError(f"sample.prompts_file={prompts_file}:{p.line}: --i {raw}: {reason}")
+        out.append([str(f.resolve()), digest_file(f)])
+    return {"images": out} if out else {}
+
+
+def fitted(path: str, width: int, height: int) -> Image.Image:
+    """A control image resized to cover (width, height) and centre-cropped, as its target trains (bicubic)."""
+    img = load_image(path)
+    scale = max(width / img.width, height / img.height)
+    nw, nh = max(width, round(img.width * scale)), max(height, round(img.height * scale))
+    img = img.resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = (nw - width) // 2, (nh - height) // 2
+    return img.crop((left, top, left + width, top + height))
+
+
+def beside(controls: list[Image.Image], image: Image.Image) -> Image.Image:
+    """The sample as saved: its control image(s), then the result, side by side."""
+    tiles = [*controls, image]
+    out = Image.new("RGB", (sum(t.width for t in tiles), max(t.height for t in tiles)), "white")
+    x = 0
+    for t in tiles:
+        out.paste(t.convert("RGB"), (x, 0))
+        x += t.width
+    return out
