@@ -80,6 +80,8 @@ SETTINGS: dict[str, dict] = {
 # ComfyUI merges it, tasks/models/lycoris.py apply_lycoris). At the LoRA's lr 1e-3 neither reaches the bound
 # in 300 steps (measured ratios 0.84 LoKr, 0.19 LoHa): peft starts one factor of each at zero and the other's
 # products are small, so they take the larger lr LyCORIS' guides give (LoKr 1e-2: 0.073; LoHa 3e-3: 0.028).
+# FLUX.1 Kontext: one (control, target) pair, the control the target's negative; rendered with the control
+SETTINGS["tiny_flux_kontext"] = {**SETTINGS["tiny_flux"], "control": True}
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 def bound(model: str) -> float:
@@ -87,7 +89,7 @@ def bound(model: str) -> float:
 
 
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
-MERGED = {"FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3"}
+MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3"}
 
 
 def training_image(model: str) -> tuple[Image.Image, str]:
@@ -110,7 +112,19 @@ def dataset(root: Path, model: str) -> Path:
     img.save(data / "img.png")
     (data / "img.txt").write_text(caption + "\n")
     (root / "prompts.txt").write_text(caption + "\n")
+    if control := control_image(model):  # an edit family's pair: the control by the target's stem
+        (root / "control").mkdir(exist_ok=True)
+        control.save(root / "control" / "img.png")
     return data
+
+
+def control_image(model: str) -> Image.Image | None:
+    """An edit family's control image (the training image's negative), or None."""
+    if not SETTINGS.get(model, {}).get("control"):
+        return None
+    from PIL import ImageOps
+
+    return ImageOps.invert(training_image(model)[0])
 
 
 def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]:
@@ -121,6 +135,7 @@ def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]
             f"data.resolution={SIZE}", f"train.batch_size={REPEATS}", f"train.rank={s['rank']}",
             f"train.max_steps={s['steps']}", f"train.lr={s['lr']}", f"train.lr_scheduler={s.get('lr_scheduler', 'cosine')}",
             *([f"train.target_modules=[{','.join(s['targets'])}]"] if s.get("targets") else []),
+            *([f"data.control_dirs=[{root / 'control'}]"] if s.get("control") else []),
             "train.log_every=25", "train.log_with=none",
             f"sample.prompts_file={root / 'prompts.txt'}", "sample.steps=2", "export.format=both",
             f"store.root={root / 'store'}"]
@@ -138,7 +153,7 @@ def train_cli(model: str, root: Path, settings: dict | None = None) -> tuple[Pat
     report = json.loads((run_dir / "report.json").read_text())
     files = {fmt: Path(p) for fmt, p in report["artifacts"]["lora_files"].items()}
     for same in ("kohya", "lycoris"):  # the kohya (LyCORIS) file is ComfyUI's there: evaluated once
-        if files.get("comfyui") == files.get(same):
+        if same in files and files.get("comfyui") == files[same]:
             files.pop("comfyui")
     return Path(report["artifacts"]["base_model"]), files
 
@@ -182,7 +197,7 @@ def _call_kwargs(pipe) -> dict:
     return kw
 
 
-def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS):
+def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None):
     """The latent the pipeline hands to vae.decode, rendering `prompt` from the noise of `seed`."""
     import torch
 
@@ -195,8 +210,9 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
 
     pipe.vae.decode = spy
     try:
+        edit = {} if control is None else dict(image=control, _auto_resize=False, max_area=SIZE * SIZE)
         pipe(prompt=prompt, height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
-             generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe))
+             generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe), **edit)
     finally:
         pipe.vae.decode = decode
     assert len(seen) == 1, f"{type(pipe).__name__}: vae.decode called {len(seen)} times"
@@ -274,7 +290,8 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
     pipe = load_pipeline(base)
     image, caption = training_image(model)
     target = image_latent(pipe, image)
-    err_base = float(((render_latent(pipe, caption) - target) ** 2).mean())
+    control = control_image(model)
+    err_base = float(((render_latent(pipe, caption, control=control) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
         pipe = load_pipeline(base)
@@ -290,7 +307,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
                         if fmt == "comfyui" else None)
         else:
             pipe.load_lora_weights(str(file))
-        errs[fmt] = float(((render_latent(pipe, caption) - target) ** 2).mean())
+        errs[fmt] = float(((render_latent(pipe, caption, control=control) - target) ** 2).mean())
         ratios[fmt] = errs[fmt] / err_base
     main = "diffusers" if "diffusers" in files else sorted(files)[0]
     return {"err_base": err_base, "err_lora": errs[main], "ratio": ratios[main], "files": ratios, "loaders": loaders}

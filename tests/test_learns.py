@@ -17,8 +17,9 @@ from bench import learns
 from learning import FILES
 
 FAST = ["tiny_flux", "tiny_sd15"]  # a flow-matching transformer and a DDPM UNet: both loss kinds
-# and the pretrained demo base (data/demo_base), at its own bound; and LoKr / LoHa (their LyCORIS file)
-CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha"]
+# and the pretrained demo base (data/demo_base), at its own bound; LoKr / LoHa (their LyCORIS file); and FLUX.1
+# Kontext on one (control, target) pair, rendered given the control
+CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha", "tiny_flux_kontext"]
 
 
 @pytest.fixture(scope="module")
