@@ -316,9 +316,8 @@ def run(cfg: dict, store: Store) -> dict:
         kept = {e["name"] for e in plan_items}
         items = [t for t in items if t[1] in kept]
         dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
-    if any(p.get("images") for p in plan_prompts) and not adapter_cls.max_controls:
-        raise ConfigError(f"sample.prompts_file: --i gives a control image, which model.family={family} does not "
-                          "take; remove --i or train an edit family")
+    if errs := controls.prompt_errors(plan_prompts, cfg, size, adapter_cls):
+        raise ConfigError("\n".join(errs))
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
         buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
         for entry, (it, _, _) in zip(plan_items, items):

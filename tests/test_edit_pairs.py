@@ -1,11 +1,13 @@
 """Issue 31: edit pairs (`data.control_dirs`) and control images of sample prompts (`--i`), on FLUX.1 Kontext
-(`model=tiny_flux_kontext`), at the node functions (4 demo images at 32 px; no Prefect).
+(`model=tiny_flux_kontext`) and FLUX.2's reference images ([klein], [dev]), at the node functions (4 demo images
+at 32 px; no Prefect).
 
 - Control images pair with targets by stem; a missing or unreadable one is named, or left out (bad_files=skip).
 - Cached per item by content: a control image's latent is a `cache_latents` item like a target's. Edit matrix
   rows (contract.md): one control image's bytes -> cache_latents 1, cache_text 0, train ran, sample all; a
   control dir added -> only the control latents computed.
-- Kontext trains with the control's tokens beside the target's (the control changes the loss), and samples with
+- Kontext and FLUX.2 train with the controls' tokens beside the target's (each control changes the loss; FLUX.2
+  takes several), and sample with
   `--i` images (the saved sample shows the control beside the result; the key follows the control's bytes).
 - The LoRA files load in `FluxKontextPipeline.load_lora_weights` and change its output.
 """
@@ -42,6 +44,9 @@ def pairs(tmp_path):
     return tmp_path
 
 
+EDIT = ["tiny_flux_kontext", "tiny_flux2_klein", "tiny_flux2_dev"]
+
+
 def _cfg(root, *extra, model="tiny_flux_kontext"):
     return resolve_paths(compose("train", [
         f"model={model}", f"data.dir={root / 'data'}", f"store.root={root / 'store'}", "data.resolution=32",
@@ -65,12 +70,16 @@ def test_prompt_option_i_repeats():
         parse_prompt_line("x --i", 1)
 
 
-def test_edit_matrix_rows_and_samples(pairs):
+@pytest.mark.parametrize("model", EDIT[:2])
+def test_edit_matrix_rows_and_samples(pairs, model):
     store = Store(pairs / "store")
     ctrl = f"data.control_dirs=[{pairs / 'ctrl'}]"
-    # no control dir yet: plain text-to-image training of the Kontext transformer (the example's other mode)
-    _, _, _, lora0, _ = _run(_cfg(pairs), store)
-    plan, lat, txt, lora, smp = _run(_cfg(pairs, ctrl), store)
+    # FLUX.2's pipeline takes references of 64 px a side or more: its samples at 64 px
+    size = ["sample.width=64", "sample.height=64"] if "flux2" in model else []
+    cfg = lambda *extra: _cfg(pairs, *size, *extra, model=model)  # noqa: E731
+    # no control dir yet: plain text-to-image training (Kontext's example's other mode; FLUX.2 without refs)
+    _, _, _, lora0, _ = _run(cfg(), store)
+    plan, lat, txt, lora, smp = _run(cfg(ctrl), store)
     assert [len(it["controls"]) for it in plan["items"]] == [1, 1, 1, 1]
     assert (lat["computed"], txt["computed"]) == (4, 0)  # a control dir added: its latents only
     assert lora["key"] != lora0["key"]
@@ -80,22 +89,23 @@ def test_edit_matrix_rows_and_samples(pairs):
     im = Image.open(pairs / "ctrl" / "img_02.png")
     im.putpixel((0, 0), (1, 2, 3))
     im.save(pairs / "ctrl" / "img_02.png")  # one control image's bytes
-    _, lat2, txt2, lora2, smp2 = _run(_cfg(pairs, ctrl), store)
+    _, lat2, txt2, lora2, smp2 = _run(cfg(ctrl), store)
     assert (lat2["computed"], txt2["computed"], lora2["computed"]) == (1, 0, 1) and lora2["key"] != lora["key"]
     assert smp2["computed"] == 2  # sample: all (a new LoRA)
 
     im = Image.open(pairs / "ctrl" / "img_00.png")  # the --i image of prompt 1 (also a pair's control)
     im.putpixel((0, 0), (9, 9, 9))
     im.save(pairs / "ctrl" / "img_00.png")
-    plan3 = validate.run(_cfg(pairs, ctrl), store)
-    keys2 = sample.item_keys(_cfg(pairs, ctrl), plan3, lora2["key"], txt2["items"])
-    before = sample.item_keys(_cfg(pairs, ctrl), plan, lora2["key"], txt2["items"])
+    plan3 = validate.run(cfg(ctrl), store)
+    keys2 = sample.item_keys(cfg(ctrl), plan3, lora2["key"], txt2["items"])
+    before = sample.item_keys(cfg(ctrl), plan, lora2["key"], txt2["items"])
     assert keys2["prompt:1"] != before["prompt:1"] and keys2["prompt:2"] == before["prompt:2"]
 
 
-def test_control_changes_the_kontext_loss(pairs):
+@pytest.mark.parametrize("model", EDIT)
+def test_control_changes_the_loss(pairs, model):
     store = Store(pairs / "store")
-    cfg = _cfg(pairs, f"data.control_dirs=[{pairs / 'ctrl'}]")
+    cfg = _cfg(pairs, f"data.control_dirs=[{pairs / 'ctrl'}]", "sample.width=64", "sample.height=64", model=model)
     plan = validate.run(cfg, store)
     lat = cache_latents.run(cfg, plan, store)
     txt = cache_text.run(cfg, plan, store)
@@ -114,6 +124,9 @@ def test_control_changes_the_kontext_loss(pairs):
     with torch.no_grad():
         plain, with_control = loss({}), loss({"control_latents": control[None, None]})
         inverted = loss({"control_latents": -control[None, None]})
+        if model != "tiny_flux_kontext":  # FLUX.2: a second reference counts too
+            two = loss({"control_latents": torch.stack([control, -control])[None]})
+            assert two not in (with_control, inverted)
     assert plain != with_control and with_control != inverted
 
 
@@ -131,6 +144,8 @@ def test_bad_pairs_and_refusals(pairs):
     assert any("takes no control image" in e for e in validate.config_errors(_cfg(pairs, ctrl, model="tiny_flux")))
     with pytest.raises(ConfigError, match="--i gives a control image"):
         validate.run(_cfg(pairs, model="tiny_flux"), store)
+    with pytest.raises(ConfigError, match=r"prompts.txt:1: --i: the control is fitted to the sample's 32x32, under the 64"):
+        validate.run(_cfg(pairs, model="tiny_flux2_klein"), store)
     (pairs / "prompts.txt").write_text("x --i nope.png\n")
     with pytest.raises(ConfigError, match=r"prompts.txt:1: --i nope.png: no such file"):
         validate.run(_cfg(pairs), store)

@@ -86,6 +86,24 @@ def prompt_images(p, prompts_file) -> dict:
     return {"images": out} if out else {}
 
 
+def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str]:
+    """What is wrong with the sample prompts' --i images for this family (none, too many, too small)."""
+    out, family, sc = [], cfg["model"]["family"], cfg["sample"]
+    for p in (p for p in prompts if p.get("images")):
+        where = f"sample.prompts_file={sc['prompts_file']}:{p['line']}: --i"
+        w, h = p["width"] or sc["width"] or size[0], p["height"] or sc["height"] or size[1]
+        if not adapter_cls.max_controls:
+            out.append(f"{where} gives a control image, which model.family={family} does not take; remove --i or "
+                       "train an edit family")
+        elif len(p["images"]) > adapter_cls.max_controls:
+            out.append(f"{where}: {len(p['images'])} images; model.family={family} takes {adapter_cls.max_controls}")
+        elif min(w, h) < adapter_cls.min_control_side:  # FLUX.2's image processor refuses smaller references
+            out.append(f"{where}: the control is fitted to the sample's {w}x{h}, under the {adapter_cls.min_control_side}"
+                       f" px a side model.family={family} takes; use --w/--h or sample.width/height of "
+                       f"{adapter_cls.min_control_side} or more")
+    return out
+
+
 def fitted(path: str, width: int, height: int) -> Image.Image:
     """A control image resized to cover (width, height) and centre-cropped, as its target trains (bicubic)."""
     img = load_image(path)

@@ -136,6 +136,7 @@ class FamilyAdapter(ABC):
     # Edit families: how many control images (data.control_dirs, --i) a sample takes; 0: none (text-to-image).
     # Their training_loss reads text["control_latents"] ([B, K, C, h, w]) and their sample takes `controls`.
     max_controls = 0
+    min_control_side = 0  # the smallest control image (px a side) the pipeline takes
     text_encoder_lora_modules: tuple[str, ...] = ()
     text_encoder_lora_targets: tuple[str, ...] = ()
 

@@ -19,6 +19,10 @@ SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **SAFE)
 
 class Flux2Adapter(TransformerAdapter):
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
+    # Reference images (data.control_dirs, --i): the pipelines take a list; 4 here (BFL's guides give up to 10
+    # for [dev] at high memory cost; the issue asks for several)
+    max_controls = 4
+    min_control_side = 64  # Flux2ImageProcessor.check_image_input refuses smaller reference images
     denoiser_cls = LazyClass("diffusers", "Flux2Transformer2DModel")
     denoiser_subfolder = "transformer"
     sample_parts = SAMPLE_PARTS
@@ -67,19 +71,35 @@ class Flux2Adapter(TransformerAdapter):
         embeds = text["prompt_embeds"].to(latents.dtype)
         packed = P._pack_latents(noisy)  # [B, h*w, C]
         img_ids = P._prepare_latent_ids(noisy).to(latents.device)
+        n_target = packed.shape[1]
+        packed, img_ids = self.with_references(packed, img_ids, text.get("control_latents"), latents.dtype)
         txt_ids = P._prepare_text_ids(embeds).to(latents.device)
         guidance = None  # [dev]'s guidance embedding gets train.guidance, as diffusers' example its --guidance_scale
         if transformer.config.guidance_embeds:
             guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=torch.float32, device=latents.device)
         pred = transformer(hidden_states=packed, encoder_hidden_states=embeds, timestep=timesteps.to(latents.dtype) / 1000,
                            img_ids=img_ids, txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
-        pred = pred[:, : packed.shape[1]].permute(0, 2, 1).reshape(b, c, h, w)
+        pred = pred[:, :n_target].permute(0, 2, 1).reshape(b, c, h, w)
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     # -- sampling --------------------------------------------------------------------------------
+    def with_references(self, packed, img_ids, control, dtype):
+        """Reference images (data.control_dirs; [B, K, C, h, w] latents, encoded like targets): each packed and
+        appended after the target's tokens, with position ids whose time axis is 10 + 10 k, as
+        Flux2Pipeline.prepare_image_latents / _prepare_image_ids lay out the images it is given."""
+        if control is None:
+            return packed, img_ids
+        P, b = self.pipeline_cls, packed.shape[0]
+        refs = [control[:, k].to(dtype) for k in range(control.shape[1])]
+        ids = P._prepare_image_ids([r[:1] for r in refs]).to(img_ids.device, img_ids.dtype).repeat(b, 1, 1)
+        return torch.cat([packed, *(P._pack_latents(r) for r in refs)], dim=1), torch.cat([img_ids, ids], dim=1)
+
     @no_grad
-    def render(self, pipe, prompt, width, height, steps, guidance, seed, generator_device, **kwargs):
-        """The pipeline from the cached prompt embeddings (it makes the text ids); kwargs: the variant's own."""
+    def render(self, pipe, prompt, width, height, steps, guidance, seed, generator_device, controls=(), **kwargs):
+        """The pipeline from the cached prompt embeddings (it makes the text ids); kwargs: the variant's own;
+        `controls`: reference images (--i), fitted to the sample's size as their pairs trained."""
+        if controls:
+            kwargs["image"] = list(controls)
         generator = self.make_generator(pipe, seed, generator_device)
         return pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype), guidance_scale=guidance,
                     width=width, height=height, num_inference_steps=steps,

@@ -27,9 +27,10 @@ class Flux2DevAdapter(Flux2Adapter):
         return diffusers.Flux2Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, tokenizer=tokenizer,
                                                        **TEXT_PARTS).to(self.device)
 
-    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu",
+               controls=()):
         # `guidance` is the pipeline's guidance_scale, an input of the distilled model (its example: 4.0); Flux2Pipeline
         # has no negative prompt and no CFG, so a prompt's negative (kohya --n) is not used; `true_cfg` is unused.
         if negative is not None:
             log.warning("FLUX.2 [dev] samples without a negative prompt (Flux2Pipeline has no CFG); --n is ignored")
-        return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device)
+        return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device, controls)

@@ -10,7 +10,8 @@ class Flux2KleinAdapter(Flux2Adapter):
     family = "flux2_klein"
     pipeline_cls = LazyClass("diffusers", "Flux2KleinPipeline")
 
-    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu",
+               controls=()):
         # Real CFG at `guidance` (the pipeline's guidance_scale, on above 1 for the undistilled base
         # models) against the prompt's negative, else the cached empty prompt (the pipeline's own negative
         # is ""); `true_cfg` is unused.
@@ -18,4 +19,4 @@ class Flux2KleinAdapter(Flux2Adapter):
         if guidance > 1 and not pipe.config.is_distilled:
             uncond = negative if negative is not None else empty
             kwargs["negative_prompt_embeds"] = uncond["prompt_embeds"][None].to(self.dtype)
-        return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device, **kwargs)
+        return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device, controls, **kwargs)
