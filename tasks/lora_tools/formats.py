@@ -31,7 +31,8 @@ _OTHER_KINDS = {r"\.hada_w": "LoHa", r"\.lokr_w": "LoKr", r"\.dora_scale$": "DoR
                 r"\.lora_embedding_": "embedding LoRA"}
 _PICKLES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
 # ss_base_model_version (what export.kohya_metadata writes, as sd-scripts does) -> family
-_VERSION_FAMILY = {kohya_metadata(f, 1, 1)["ss_base_model_version"]: f for f in FAMILIES}
+# (first wins: a FLUX.1 Kontext file says flux1 too, and has Flux's names and layout)
+_VERSION_FAMILY = {v: f for f in reversed(FAMILIES) for v in [kohya_metadata(f, 1, 1)["ss_base_model_version"]]}
 
 
 class LoraToolError(ValueError):
