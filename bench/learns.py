@@ -82,6 +82,7 @@ SETTINGS: dict[str, dict] = {
 # products are small, so they take the larger lr LyCORIS' guides give (LoKr 1e-2: 0.073; LoHa 3e-3: 0.028).
 # FLUX.1 Kontext: one (control, target) pair, the control the target's negative; rendered with the control
 SETTINGS["tiny_flux_kontext"] = {**SETTINGS["tiny_flux"], "control": True}
+SETTINGS["tiny_flux2_klein+ref"] = {**SETTINGS["tiny_flux2_klein"], "control": True}  # FLUX.2: one reference
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 def bound(model: str) -> float:
@@ -210,7 +211,9 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
 
     pipe.vae.decode = spy
     try:
-        edit = {} if control is None else dict(image=control, _auto_resize=False, max_area=SIZE * SIZE)
+        edit = {} if control is None else (  # Kontext rescales to ~1 MP unless told; FLUX.2 takes a list
+            dict(image=control, _auto_resize=False, max_area=SIZE * SIZE) if type(pipe).__name__ == "FluxKontextPipeline"
+            else dict(image=[control]))
         pipe(prompt=prompt, height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
              generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe), **edit)
     finally:

@@ -18,8 +18,8 @@ from learning import FILES
 
 FAST = ["tiny_flux", "tiny_sd15"]  # a flow-matching transformer and a DDPM UNet: both loss kinds
 # and the pretrained demo base (data/demo_base), at its own bound; LoKr / LoHa (their LyCORIS file); and FLUX.1
-# Kontext on one (control, target) pair, rendered given the control
-CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha", "tiny_flux_kontext"]
+# Kontext and FLUX.2 [klein] (a reference image) on one (control, target) pair, rendered given the control
+CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha", "tiny_flux_kontext", "tiny_flux2_klein+ref"]
 
 
 @pytest.fixture(scope="module")
