@@ -31,7 +31,7 @@ def errors(dc: dict, family: str, max_controls: int) -> list[str]:
     if len(dirs) > max_controls:
         return [f"data.control_dirs has {len(dirs)} folders; model.family={family} takes at most {max_controls} "
                 "control image(s) per sample"]
-    out = [f"data.control_dirs: {d} is not a folder" for d in dirs if not Path(d).is_dir()]
+    out = []
     if dirs and dc.get("validation_split"):  # tasks/training/validation.py scores without the control latents
         out.append("data.validation_split with data.control_dirs: the validation loss does not read control "
                    "images yet; set data.validation_split=0")
@@ -45,6 +45,10 @@ def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], l
     from tasks.config import ConfigError
     from tasks.store.hashing import digest_file
 
+    missing = [d for d in dc["control_dirs"] if not Path(d).is_dir()]
+    if missing:
+        raise ConfigError(f"data.control_dirs: {', '.join(map(str, missing))}: no such folder; point it at the "
+                          "control images (one per training image, same stem)")
     kept, bad = [], []
     for entry, (it, name, _) in zip(plan_items, items):
         found, why = [], None
