@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from tasks.data.images import check_image, load_image
+from tasks.data.images import check_image, cover_crop, load_image
 from tasks.data.masks import file_by_stem
 
 PREFIX = "control:"  # cache_latents' item key of an item's k-th control: "control:<item name>:<k>"
@@ -110,12 +110,7 @@ def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str
 
 def fitted(path: str, width: int, height: int) -> Image.Image:
     """A control image resized to cover (width, height) and centre-cropped, as its target trains (bicubic)."""
-    img = load_image(path)
-    scale = max(width / img.width, height / img.height)
-    nw, nh = max(width, round(img.width * scale)), max(height, round(img.height * scale))
-    img = img.resize((nw, nh), Image.Resampling.BICUBIC)
-    left, top = (nw - width) // 2, (nh - height) // 2
-    return img.crop((left, top, left + width, top + height))
+    return cover_crop(load_image(path), width, height)[0]
 
 
 def beside(controls: list[Image.Image], image: Image.Image) -> Image.Image:

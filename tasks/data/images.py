@@ -134,6 +134,17 @@ def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
     return image_to_tensor_and_geometry(img, width, height)[0]
 
 
+def cover_crop(img: Image.Image, width: int, height: int) -> tuple[Image.Image, int, int]:
+    """The training geometry: resized (bicubic) to cover (width, height), then centre-cropped; with the crop's
+    (top, left) in the resized image. Masks and control images go through it like their images."""
+    w, h = img.size
+    scale = max(width / w, height / h)
+    nw, nh = max(width, round(w * scale)), max(height, round(h * scale))
+    img = img.resize((nw, nh), Image.Resampling.BICUBIC)
+    left, top = (nw - width) // 2, (nh - height) // 2
+    return img.crop((left, top, left + width, top + height)), top, left
+
+
 def image_to_tensor_and_geometry(img: Image.Image, width: int, height: int) -> tuple[torch.Tensor, dict]:
     """image_to_tensor, plus what SDXL's size conditioning needs: the image's size before resizing
     (`original_size`, h, w) and the crop's offsets in the resized image (`crop_top_left`, top, left), as
@@ -143,11 +154,7 @@ def image_to_tensor_and_geometry(img: Image.Image, width: int, height: int) -> t
     if img.mode != "RGB":
         img = _to_rgb(img)
     w, h = img.size
-    scale = max(width / w, height / h)
-    nw, nh = max(width, round(w * scale)), max(height, round(h * scale))
-    img = img.resize((nw, nh), Image.Resampling.BICUBIC)
-    left, top = (nw - width) // 2, (nh - height) // 2
-    img = img.crop((left, top, left + width, top + height))
+    img, top, left = cover_crop(img, width, height)
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
     geometry = {"original_size": torch.tensor([h, w]), "crop_top_left": torch.tensor([top, left])}
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), geometry

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from tasks.data.dataset import IMAGE_EXTS
-from tasks.data.images import ImageLoadError
+from tasks.data.images import ImageLoadError, cover_crop
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -76,12 +76,7 @@ def mask_pixels(img: Image.Image, width: int, height: int, flip: bool = False) -
     uint8 [1, height, width]."""
     if flip:
         img = ImageOps.mirror(img)
-    w, h = img.size
-    scale = max(width / w, height / h)
-    nw, nh = max(width, round(w * scale)), max(height, round(h * scale))
-    img = img.resize((nw, nh), Image.Resampling.BICUBIC)
-    left, top = (nw - width) // 2, (nh - height) // 2
-    img = img.crop((left, top, left + width, top + height))
+    img = cover_crop(img, width, height)[0]
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())[None]
 
 
