@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FAMILIES = ("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
+FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
 # name -> overrides: each memory option a user of one GPU would pick (train.num_processes stays 1 = the GPUs
 # of the lent machine; model.dtype=float16 trains under accelerate's fp16 loss scaling, tasks/training/train_setup.py)
 VARIANTS = {
@@ -39,6 +39,10 @@ VARIANTS = {
     # path on (data.alpha_mask: the demo images have no alpha, so every mask is all ones)
     "lokr+bf16": ["train.network=lokr", "train.mixed_precision=bf16"],
     "loha+alpha_mask+bf16": ["train.network=loha", "data.alpha_mask=true", "train.mixed_precision=bf16"],
+    # edit families (flux_kontext, flux2_*): each demo image its own control (data.control_dirs), and a sample
+    # prompt with --i (bench/edit_prompts.txt)
+    "edit+bf16": ["train.mixed_precision=bf16", f"data.control_dirs=[{REPO / 'data' / 'demo'}]",
+                  f"sample.prompts_file={HERE / 'edit_prompts.txt'}"],
 }
 COMMON = ["data.resolution=64", "train.max_steps=20", "train.log_every=5", "train.batch_size=2", "sample.steps=4"]
 
