@@ -40,7 +40,7 @@ _ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
                             "proj_mlp", "proj_out"],
            "sd15": _ATTN, "sdxl": _ATTN,
-           "zimage": ZImageAdapter.LORA_TARGETS}
+           "zimage": ZImageAdapter.LORA_TARGETS, "qwenimage": _ATTN}
 
 
 
@@ -273,6 +273,24 @@ def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model_dir
     bound = sums(merged)
     assert (want - plain).abs().max() > rounding(**bound, magnitude=want.abs().max().item()), "LoRA changes nothing"
     assert_close(got, want, **bound, what="merged UNet vs LoRA-applied UNet")
+
+
+@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+def test_into_base_original_layout_reads_back_in_diffusers(family, model_dirs, tmp_path):
+    """Z-Image's original layout (fused qkv, ComfyUI's names) and Qwen-Image's (diffusers' names) read back by
+    diffusers' own from_single_file converter into exactly the merged diffusers-layout weights."""
+    model_dir = model_dirs(family)
+    peft_lora(family, model_dir, tmp_path, kohya=False)
+    lora, plain, original = tmp_path / "pytorch_lora_weights.safetensors", tmp_path / "d.safetensors", tmp_path / "o.safetensors"
+    assert run("merge", lora, "--into-base", model_dir, plain) == 0
+    assert run("merge", lora, "--into-base", model_dir, "--layout", "original", original) == 0
+    back = adapter_class(family).denoiser_cls.from_single_file(
+        str(original), config=str(model_dir), subfolder="transformer", local_files_only=True).state_dict()
+    want = load_file(plain)
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+    keys = load_file(original).keys()
+    if family == "zimage":  # the released layout, not diffusers'
+        assert any(k.endswith(".attention.qkv.weight") for k in keys) and not any(".attention.to_" in k for k in keys)
 
 
 # ---------------------------------------------------------------- extract

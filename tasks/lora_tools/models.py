@@ -14,13 +14,15 @@ from typing import NamedTuple
 from tasks.lazy import lazy
 from tasks.lora_tools.formats import LoraToolError, read_header
 from tasks.lora_tools.ldm import unet_to_ldm
+from tasks.lora_tools.transformer_layouts import to_original
 from tasks.training.export import FAMILIES, write_safetensors
 
 st = lazy("safetensors.torch")
 
 DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT = "diffusers", "original"
 LAYOUTS = (DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT)
-ORIGINAL_FAMILIES = ("sd15", "sdxl")  # the families whose original single-file layout is written (ldm.py)
+# the families whose original single-file layout is written (ldm.py: the UNets; transformer_layouts.py)
+ORIGINAL_FAMILIES = ("sd15", "sdxl", "zimage", "qwenimage")
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -98,15 +100,21 @@ def load_weights(den: Denoiser) -> dict:
 
 def check_layout(layout: str, family: str) -> None:
     if layout == ORIGINAL_LAYOUT and family not in ORIGINAL_FAMILIES:
-        raise LoraToolError(f"--layout original: written for {' and '.join(ORIGINAL_FAMILIES)} only (A1111's "
-                            f"model.diffusion_model.*), not {family}; use --layout diffusers")
+        raise LoraToolError(f"--layout original: written for {', '.join(ORIGINAL_FAMILIES)} only, not {family}; use "
+                            "--layout diffusers")
 
 
 def write_denoiser(path, state_dict: dict, layout: str, family: str, config: dict | None, metadata: dict) -> Path:
-    """The merged denoiser as one file: diffusers keys (the denoiser folder's own; any family), or for SD1.5/SDXL
-    the original `model.diffusion_model.*` keys. Atomic, as every file here."""
+    """The merged denoiser as one file: diffusers keys (the denoiser folder's own; any family), or the original
+    single-file keys (SD1.5/SDXL `model.diffusion_model.*`; Z-Image's fused qkv; Qwen-Image's, which are
+    diffusers'). Atomic, as every file here."""
     check_layout(layout, family)
-    if layout == ORIGINAL_LAYOUT:
+    if layout == ORIGINAL_LAYOUT and family in ("zimage", "qwenimage"):
+        try:
+            state_dict = to_original(family, state_dict)
+        except ValueError as e:
+            raise LoraToolError(f"--layout original: {e}; use --layout diffusers") from None
+    elif layout == ORIGINAL_LAYOUT:
         try:
             state_dict = unet_to_ldm(config, state_dict)
         except (NotImplementedError, KeyError, ValueError) as e:
