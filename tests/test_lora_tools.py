@@ -40,7 +40,7 @@ _ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
                             "proj_mlp", "proj_out"],
            "sd15": _ATTN, "sdxl": _ATTN,
-           "zimage": ZImageAdapter.LORA_TARGETS, "qwenimage": _ATTN}
+           "zimage": ZImageAdapter.LORA_TARGETS, "qwenimage": _ATTN, "sd3": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj"]}
 
 
 
@@ -275,10 +275,11 @@ def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model_dir
     assert_close(got, want, **bound, what="merged UNet vs LoRA-applied UNet")
 
 
-@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+@pytest.mark.parametrize("family", ["sd3", "zimage", "qwenimage"])
 def test_into_base_original_layout_reads_back_in_diffusers(family, model_dirs, tmp_path):
-    """Z-Image's original layout (fused qkv, ComfyUI's names) and Qwen-Image's (diffusers' names) read back by
-    diffusers' own from_single_file converter into exactly the merged diffusers-layout weights."""
+    """SD3's original layout (SAI's MMDiT names), Z-Image's (fused qkv, ComfyUI's names) and Qwen-Image's
+    (diffusers' names) read back by diffusers' own from_single_file converter into exactly the merged
+    diffusers-layout weights."""
     model_dir = model_dirs(family)
     peft_lora(family, model_dir, tmp_path, kohya=False)
     lora, plain, original = tmp_path / "pytorch_lora_weights.safetensors", tmp_path / "d.safetensors", tmp_path / "o.safetensors"
@@ -291,6 +292,8 @@ def test_into_base_original_layout_reads_back_in_diffusers(family, model_dirs, t
     keys = load_file(original).keys()
     if family == "zimage":  # the released layout, not diffusers'
         assert any(k.endswith(".attention.qkv.weight") for k in keys) and not any(".attention.to_" in k for k in keys)
+    if family == "sd3":
+        assert any(k.startswith("joint_blocks.0.x_block.attn.qkv") for k in keys) and "final_layer.linear.weight" in keys
 
 
 # ---------------------------------------------------------------- extract

@@ -7,8 +7,12 @@ original` (ldm.py does SD1.5 / SDXL's UNet):
   (single_file_utils.py): each block's to_q / to_k / to_v stacked into one `attention.qkv.weight`, `to_out.0` as
   `attention.out`, `norm_q` / `norm_k` as `q_norm` / `k_norm`, `all_x_embedder.2-1` / `all_final_layer.2-1` as
   `x_embedder` / `final_layer`. Every tensor maps to exactly one key.
+- sd3: SAI's MMDiT names (`joint_blocks.N.x_block.attn.qkv`, `context_block`, `final_layer`, ...), the reverse of
+  diffusers' `convert_sd3_transformer_checkpoint_to_diffusers`: q/k/v (and the context's, and SD3.5's attn2)
+  stacked into qkv, the last block's context modulation and the final modulation with shift and scale swapped
+  back (diffusers' swap_scale_shift is its own inverse). Every tensor maps to exactly one key, or it raises.
 
-Not written: Flux, FLUX.2, SD3 (their BFL / SAI layouts; use --layout diffusers, which ComfyUI also loads).
+Not written: Flux, FLUX.2 (their BFL layouts; use --layout diffusers, which ComfyUI also loads).
 Tests: tests/test_lora_tools.py reads each file back with diffusers' own from_single_file."""
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ _QKV = re.compile(r"(.+\.attention)\.to_([qkv])\.weight")
 def to_original(family: str, sd: dict) -> dict:
     if family == "qwenimage":
         return dict(sd)
+    if family == "sd3":
+        return _sd3(sd)
     if family != "zimage":
         raise NotImplementedError(family)
     out, qkv = {}, {}
@@ -41,4 +47,51 @@ def to_original(family: str, sd: dict) -> dict:
         if set(parts) != {"q", "k", "v"}:
             raise ValueError(f"{block}: to_q, to_k and to_v are fused in the original layout; found {sorted(parts)}")
         out[f"{block}.qkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
+
+
+def _swap(t):  # diffusers' swap_scale_shift: the halves exchanged (its own inverse)
+    shift, scale = t.chunk(2, dim=0)
+    return torch.cat([scale, shift], dim=0)
+
+
+def _sd3(sd: dict) -> dict:
+    src, out = dict(sd), {}
+
+    def mv(a: str, b: str, f=None):
+        for end in ("weight", "bias"):
+            if f"{a}.{end}" in src:
+                t = src.pop(f"{a}.{end}")
+                out[f"{b}.{end}"] = f(t) if f else t
+
+    def qkv(parts: list[str], b: str):
+        for end in ("weight", "bias"):
+            if f"{parts[0]}.{end}" in src:
+                out[f"{b}.{end}"] = torch.cat([src.pop(f"{p}.{end}") for p in parts], dim=0)
+
+    out["pos_embed"] = src.pop("pos_embed.pos_embed")
+    for a, b in (("pos_embed.proj", "x_embedder.proj"), ("context_embedder", "context_embedder"),
+                 ("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+                 ("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
+                 ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0"),
+                 ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2"), ("proj_out", "final_layer.linear")):
+        mv(a, b)
+    mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
+    n = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks."))
+    for i in range(n):
+        d, x, c = f"transformer_blocks.{i}.", f"joint_blocks.{i}.x_block.", f"joint_blocks.{i}.context_block."
+        qkv([f"{d}attn.to_{s}" for s in "qkv"], f"{x}attn.qkv")
+        qkv([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{c}attn.qkv")
+        qkv([f"{d}attn2.to_{s}" for s in "qkv"], f"{x}attn2.qkv")
+        for a, b in (("attn.to_out.0", f"{x}attn.proj"), ("attn.to_add_out", f"{c}attn.proj"),
+                     ("attn2.to_out.0", f"{x}attn2.proj"), ("norm1.linear", f"{x}adaLN_modulation.1"),
+                     ("ff.net.0.proj", f"{x}mlp.fc1"), ("ff.net.2", f"{x}mlp.fc2"),
+                     ("ff_context.net.0.proj", f"{c}mlp.fc1"), ("ff_context.net.2", f"{c}mlp.fc2"),
+                     ("attn.norm_q", f"{x}attn.ln_q"), ("attn.norm_k", f"{x}attn.ln_k"),
+                     ("attn.norm_added_q", f"{c}attn.ln_q"), ("attn.norm_added_k", f"{c}attn.ln_k"),
+                     ("attn2.norm_q", f"{x}attn2.ln_q"), ("attn2.norm_k", f"{x}attn2.ln_k")):
+            mv(d + a, b)
+        mv(f"{d}norm1_context.linear", f"{c}adaLN_modulation.1", _swap if i == n - 1 else None)
+    if src:
+        raise ValueError(f"{len(src)} SD3 weight(s) have no original name, e.g. {sorted(src)[:3]}")
     return out
