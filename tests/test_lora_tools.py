@@ -40,7 +40,8 @@ _ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
 TARGETS = {"flux": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff.net.0.proj", "ff.net.2",
                             "proj_mlp", "proj_out"],
            "sd15": _ATTN, "sdxl": _ATTN,
-           "zimage": ZImageAdapter.LORA_TARGETS, "qwenimage": _ATTN, "sd3": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj"]}
+           "zimage": ZImageAdapter.LORA_TARGETS, "qwenimage": _ATTN, "sd3": _ATTN + ["add_q_proj", "add_k_proj", "add_v_proj"],
+           "flux2_klein": ["to_q", "to_k", "to_v", "to_qkv_mlp_proj", "linear_in"]}
 
 
 
@@ -275,7 +276,7 @@ def test_into_base_sd15_original_layout_matches_the_lora_applied_model(model_dir
     assert_close(got, want, **bound, what="merged UNet vs LoRA-applied UNet")
 
 
-@pytest.mark.parametrize("family", ["sd3", "zimage", "qwenimage"])
+@pytest.mark.parametrize("family", ["sd3", "zimage", "qwenimage", "flux2_klein"])
 def test_into_base_original_layout_reads_back_in_diffusers(family, model_dirs, tmp_path):
     """SD3's original layout (SAI's MMDiT names), Z-Image's (fused qkv, ComfyUI's names) and Qwen-Image's
     (diffusers' names) read back by diffusers' own from_single_file converter into exactly the merged
@@ -294,6 +295,8 @@ def test_into_base_original_layout_reads_back_in_diffusers(family, model_dirs, t
         assert any(k.endswith(".attention.qkv.weight") for k in keys) and not any(".attention.to_" in k for k in keys)
     if family == "sd3":
         assert any(k.startswith("joint_blocks.0.x_block.attn.qkv") for k in keys) and "final_layer.linear.weight" in keys
+    if family == "flux2_klein":
+        assert "double_blocks.0.img_attn.qkv.weight" in keys and "single_blocks.0.linear1.weight" in keys
 
 
 # ---------------------------------------------------------------- extract

@@ -22,7 +22,7 @@ st = lazy("safetensors.torch")
 DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT = "diffusers", "original"
 LAYOUTS = (DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT)
 # the families whose original single-file layout is written (ldm.py: the UNets; transformer_layouts.py)
-ORIGINAL_FAMILIES = ("sd15", "sdxl", "sd3", "zimage", "qwenimage")
+ORIGINAL_FAMILIES = ("sd15", "sdxl", "sd3", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -109,7 +109,7 @@ def write_denoiser(path, state_dict: dict, layout: str, family: str, config: dic
     single-file keys (SD1.5/SDXL `model.diffusion_model.*`; Z-Image's fused qkv; Qwen-Image's, which are
     diffusers'). Atomic, as every file here."""
     check_layout(layout, family)
-    if layout == ORIGINAL_LAYOUT and family in ("sd3", "zimage", "qwenimage"):
+    if layout == ORIGINAL_LAYOUT and family not in ("sd15", "sdxl"):  # transformer_layouts.py
         try:
             state_dict = to_original(family, state_dict)
         except ValueError as e:

@@ -12,7 +12,11 @@ original` (ldm.py does SD1.5 / SDXL's UNet):
   stacked into qkv, the last block's context modulation and the final modulation with shift and scale swapped
   back (diffusers' swap_scale_shift is its own inverse). Every tensor maps to exactly one key, or it raises.
 
-Not written: Flux, FLUX.2 (their BFL layouts; use --layout diffusers, which ComfyUI also loads).
+- flux2_klein / flux2_dev: BFL's FLUX.2 names (`double_blocks.N.img_attn.qkv`, `single_blocks.N.linear1`, norms'
+  `.scale`, ...), the reverse of diffusers' `convert_flux2_transformer_checkpoint_to_diffusers`.
+
+Not written: Flux (FLUX.1's BFL layout: diffusers' converter of it assumes FLUX.1's 3072 width, so a tiny model
+could not be read back to check it; use --layout diffusers, which ComfyUI also loads).
 Tests: tests/test_lora_tools.py reads each file back with diffusers' own from_single_file."""
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ def to_original(family: str, sd: dict) -> dict:
         return dict(sd)
     if family == "sd3":
         return _sd3(sd)
+    if family in ("flux2_klein", "flux2_dev"):
+        return _flux2(sd)
     if family != "zimage":
         raise NotImplementedError(family)
     out, qkv = {}, {}
@@ -50,39 +56,54 @@ def to_original(family: str, sd: dict) -> dict:
     return out
 
 
+class _Moves:
+    """Tensors moved from a diffusers state dict to original keys; `left()` names what did not move."""
+
+    def __init__(self, sd: dict):
+        self.src, self.out = dict(sd), {}
+
+    def mv(self, a: str, b: str, f=None):
+        for end in ("weight", "bias"):
+            if f"{a}.{end}" in self.src:
+                t = self.src.pop(f"{a}.{end}")
+                self.out[f"{b}.{end}"] = f(t) if f else t
+
+    def fuse(self, parts: list[str], b: str):  # q, k, v stacked into one qkv
+        for end in ("weight", "bias"):
+            if f"{parts[0]}.{end}" in self.src:
+                self.out[f"{b}.{end}"] = torch.cat([self.src.pop(f"{p}.{end}") for p in parts], dim=0)
+
+    def norm(self, a: str, b: str):  # RMSNorm weights are `.scale` in BFL's files
+        if f"{a}.weight" in self.src:
+            self.out[f"{b}.scale"] = self.src.pop(f"{a}.weight")
+
+    def done(self, what: str) -> dict:
+        if self.src:
+            raise ValueError(f"{len(self.src)} {what} weight(s) have no original name, e.g. {sorted(self.src)[:3]}")
+        return self.out
+
+
 def _swap(t):  # diffusers' swap_scale_shift: the halves exchanged (its own inverse)
     shift, scale = t.chunk(2, dim=0)
     return torch.cat([scale, shift], dim=0)
 
 
 def _sd3(sd: dict) -> dict:
-    src, out = dict(sd), {}
-
-    def mv(a: str, b: str, f=None):
-        for end in ("weight", "bias"):
-            if f"{a}.{end}" in src:
-                t = src.pop(f"{a}.{end}")
-                out[f"{b}.{end}"] = f(t) if f else t
-
-    def qkv(parts: list[str], b: str):
-        for end in ("weight", "bias"):
-            if f"{parts[0]}.{end}" in src:
-                out[f"{b}.{end}"] = torch.cat([src.pop(f"{p}.{end}") for p in parts], dim=0)
-
-    out["pos_embed"] = src.pop("pos_embed.pos_embed")
+    m = _Moves(sd)
+    m.out["pos_embed"] = m.src.pop("pos_embed.pos_embed")
     for a, b in (("pos_embed.proj", "x_embedder.proj"), ("context_embedder", "context_embedder"),
                  ("time_text_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
                  ("time_text_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
                  ("time_text_embed.text_embedder.linear_1", "y_embedder.mlp.0"),
                  ("time_text_embed.text_embedder.linear_2", "y_embedder.mlp.2"), ("proj_out", "final_layer.linear")):
-        mv(a, b)
-    mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
+        m.mv(a, b)
+    m.mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
     n = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks."))
     for i in range(n):
         d, x, c = f"transformer_blocks.{i}.", f"joint_blocks.{i}.x_block.", f"joint_blocks.{i}.context_block."
-        qkv([f"{d}attn.to_{s}" for s in "qkv"], f"{x}attn.qkv")
-        qkv([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{c}attn.qkv")
-        qkv([f"{d}attn2.to_{s}" for s in "qkv"], f"{x}attn2.qkv")
+        m.fuse([f"{d}attn.to_{s}" for s in "qkv"], f"{x}attn.qkv")
+        m.fuse([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{c}attn.qkv")
+        m.fuse([f"{d}attn2.to_{s}" for s in "qkv"], f"{x}attn2.qkv")
         for a, b in (("attn.to_out.0", f"{x}attn.proj"), ("attn.to_add_out", f"{c}attn.proj"),
                      ("attn2.to_out.0", f"{x}attn2.proj"), ("norm1.linear", f"{x}adaLN_modulation.1"),
                      ("ff.net.0.proj", f"{x}mlp.fc1"), ("ff.net.2", f"{x}mlp.fc2"),
@@ -90,8 +111,44 @@ def _sd3(sd: dict) -> dict:
                      ("attn.norm_q", f"{x}attn.ln_q"), ("attn.norm_k", f"{x}attn.ln_k"),
                      ("attn.norm_added_q", f"{c}attn.ln_q"), ("attn.norm_added_k", f"{c}attn.ln_k"),
                      ("attn2.norm_q", f"{x}attn2.ln_q"), ("attn2.norm_k", f"{x}attn2.ln_k")):
-            mv(d + a, b)
-        mv(f"{d}norm1_context.linear", f"{c}adaLN_modulation.1", _swap if i == n - 1 else None)
-    if src:
-        raise ValueError(f"{len(src)} SD3 weight(s) have no original name, e.g. {sorted(src)[:3]}")
-    return out
+            m.mv(d + a, b)
+        m.mv(f"{d}norm1_context.linear", f"{c}adaLN_modulation.1", _swap if i == n - 1 else None)
+    return m.done("SD3")
+
+_FLUX2_TOP = (("x_embedder", "img_in"), ("context_embedder", "txt_in"),
+              ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+              ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+              ("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+              ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+              ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin"),
+              ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"),
+              ("single_stream_modulation.linear", "single_stream_modulation.lin"), ("proj_out", "final_layer.linear"))
+_FLUX2_DOUBLE = (("attn.to_out.0", "img_attn.proj"), ("ff.linear_in", "img_mlp.0"), ("ff.linear_out", "img_mlp.2"),
+                 ("attn.to_add_out", "txt_attn.proj"), ("ff_context.linear_in", "txt_mlp.0"),
+                 ("ff_context.linear_out", "txt_mlp.2"))
+_FLUX2_DOUBLE_NORMS = (("attn.norm_q", "img_attn.norm.query_norm"), ("attn.norm_k", "img_attn.norm.key_norm"),
+                       ("attn.norm_added_q", "txt_attn.norm.query_norm"), ("attn.norm_added_k", "txt_attn.norm.key_norm"))
+_FLUX2_SINGLE = (("attn.to_qkv_mlp_proj", "linear1"), ("attn.to_out", "linear2"))
+_FLUX2_SINGLE_NORMS = (("attn.norm_q", "norm.query_norm"), ("attn.norm_k", "norm.key_norm"))
+
+
+def _flux2(sd: dict) -> dict:
+    m = _Moves(sd)
+    for a, b in _FLUX2_TOP:
+        m.mv(a, b)
+    m.mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")}):
+        d, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        m.fuse([f"{d}attn.to_{s}" for s in "qkv"], f"{o}img_attn.qkv")
+        m.fuse([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{o}txt_attn.qkv")
+        for a, b in _FLUX2_DOUBLE:
+            m.mv(d + a, o + b)
+        for a, b in _FLUX2_DOUBLE_NORMS:
+            m.norm(d + a, o + b)
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_transformer_blocks.")}):
+        d, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for a, b in _FLUX2_SINGLE:
+            m.mv(d + a, o + b)
+        for a, b in _FLUX2_SINGLE_NORMS:
+            m.norm(d + a, o + b)
+    return m.done("FLUX.2")
