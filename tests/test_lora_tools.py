@@ -358,3 +358,36 @@ def test_extract_recovers_the_low_rank_change(tuned, tmp_path, capsys):
         rows = kohya_rows_of("flux", base_dir, name)
         want = torch.cat([changes.get(r, torch.zeros(base[f"{r}.weight"].shape, dtype=torch.float64)) for r in rows])
         assert (d - want).abs().max().item() <= max(bounds[r] for r in rows if r in changes), name
+
+
+def test_into_base_flux_original_layout_reads_back_in_diffusers(tmp_path):
+    """FLUX.1's BFL layout, read back by diffusers' from_single_file converter, which assumes FLUX.1's 3072 width
+    (and 4x MLP): a bf16 model of that width with one block of each kind (~0.5 B parameters), a LoRA on every
+    fused slot (q, k, v, proj_mlp), merged exactly as the diffusers-layout file."""
+    from diffusers import FluxPipeline
+
+    small = dict(joint_attention_dim=64, pooled_projection_dim=32, in_channels=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        den = FluxTransformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=24,
+                                     guidance_embeds=True, **small).to(torch.bfloat16)
+    model_dir = tmp_path / "model"
+    den.save_pretrained(model_dir / "transformer")
+    (model_dir / "model_index.json").write_text('{"_class_name": "FluxPipeline", "transformer": ["diffusers", '
+                                                '"FluxTransformer2DModel"]}')
+    targets = ["to_q", "to_k", "to_v", "proj_mlp", "add_k_proj", "to_out.0"]
+    den.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=targets))
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.full_like(p, 0.01))
+    FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(den))
+    lora, plain, original = tmp_path / "pytorch_lora_weights.safetensors", tmp_path / "d.safetensors", tmp_path / "o.safetensors"
+    assert run("merge", lora, "--into-base", model_dir, plain) == 0
+    assert run("merge", lora, "--into-base", model_dir, "--layout", "original", original) == 0
+    keys = load_file(original).keys()
+    assert "single_blocks.0.linear1.weight" in keys and "double_blocks.0.img_attn.norm.query_norm.scale" in keys
+    back = FluxTransformer2DModel.from_single_file(str(original), config=str(model_dir), subfolder="transformer",
+                                                   local_files_only=True, torch_dtype=torch.bfloat16).state_dict()
+    want = load_file(plain)
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)

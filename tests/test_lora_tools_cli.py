@@ -50,7 +50,6 @@ BAD = {  # argv (with {root}, {flux}, {sd15}) -> what the one line must say
     "shapes between files": ("merge {root}/lora_kohya.safetensors {root}/wide.safetensors {out}", "different models"),
     "shapes against base": ("merge {root}/wide.safetensors --into-base {flux} {out}", "another model"),
     "other model's LoRA": ("merge {root}/lora_kohya.safetensors --into-base {sd15} {out}", "not the same"),
-    "layout": ("merge {root}/lora_kohya.safetensors --into-base {flux} --layout original {out}", "only, not flux; use --layout diffusers"),
     "two families": ("extract --base {flux} --tuned {sd15} --rank 2 {out}", "one family"),
     "nothing to extract": ("extract --base {flux} --tuned {flux} --rank 2 {out}", "nothing to extract"),
 }

@@ -22,7 +22,7 @@ st = lazy("safetensors.torch")
 DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT = "diffusers", "original"
 LAYOUTS = (DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT)
 # the families whose original single-file layout is written (ldm.py: the UNets; transformer_layouts.py)
-ORIGINAL_FAMILIES = ("sd15", "sdxl", "sd3", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
+ORIGINAL_FAMILIES = FAMILIES  # a family added later without a writer is refused by check_layout
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 

@@ -15,8 +15,10 @@ original` (ldm.py does SD1.5 / SDXL's UNet):
 - flux2_klein / flux2_dev: BFL's FLUX.2 names (`double_blocks.N.img_attn.qkv`, `single_blocks.N.linear1`, norms'
   `.scale`, ...), the reverse of diffusers' `convert_flux2_transformer_checkpoint_to_diffusers`.
 
-Not written: Flux (FLUX.1's BFL layout: diffusers' converter of it assumes FLUX.1's 3072 width, so a tiny model
-could not be read back to check it; use --layout diffusers, which ComfyUI also loads).
+- flux / flux_kontext: BFL's FLUX.1 names (`double_blocks.N.img_attn.qkv`, `img_mod.lin`, `single_blocks.N.linear1`
+  = q|k|v|mlp, `modulation.lin`, `final_layer`, `time_in` / `vector_in` / `guidance_in`, norms' `.scale`), the
+  reverse of diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (which assumes FLUX.1's 3072 width:
+  the test reads back a 3072-wide model of one block of each kind).
 Tests: tests/test_lora_tools.py reads each file back with diffusers' own from_single_file."""
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ def to_original(family: str, sd: dict) -> dict:
         return _sd3(sd)
     if family in ("flux2_klein", "flux2_dev"):
         return _flux2(sd)
+    if family in ("flux", "flux_kontext"):
+        return _flux(sd)
     if family != "zimage":
         raise NotImplementedError(family)
     out, qkv = {}, {}
@@ -152,3 +156,38 @@ def _flux2(sd: dict) -> dict:
         for a, b in _FLUX2_SINGLE_NORMS:
             m.norm(d + a, o + b)
     return m.done("FLUX.2")
+
+
+_FLUX_TOP = (("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear"),
+             ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+             ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+             ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+             ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+             ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+             ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"))
+_FLUX_DOUBLE = (("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_mod.lin"),
+                ("attn.to_out.0", "img_attn.proj"), ("attn.to_add_out", "txt_attn.proj"), ("ff.net.0.proj", "img_mlp.0"),
+                ("ff.net.2", "img_mlp.2"), ("ff_context.net.0.proj", "txt_mlp.0"), ("ff_context.net.2", "txt_mlp.2"))
+
+
+def _flux(sd: dict) -> dict:
+    m = _Moves(sd)
+    for a, b in _FLUX_TOP:
+        m.mv(a, b)
+    m.mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")}):
+        d, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        m.fuse([f"{d}attn.to_{s}" for s in "qkv"], f"{o}img_attn.qkv")
+        m.fuse([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{o}txt_attn.qkv")
+        for a, b in _FLUX_DOUBLE:
+            m.mv(d + a, o + b)
+        for a, b in _FLUX2_DOUBLE_NORMS:  # the same norm names as FLUX.2's
+            m.norm(d + a, o + b)
+    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_transformer_blocks.")}):
+        d, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        m.fuse([f"{d}attn.to_q", f"{d}attn.to_k", f"{d}attn.to_v", f"{d}proj_mlp"], f"{o}linear1")
+        m.mv(f"{d}proj_out", f"{o}linear2")
+        m.mv(f"{d}norm.linear", f"{o}modulation.lin")
+        for a, b in _FLUX2_SINGLE_NORMS:
+            m.norm(d + a, o + b)
+    return m.done("Flux")
