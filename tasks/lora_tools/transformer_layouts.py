@@ -136,27 +136,34 @@ _FLUX2_SINGLE = (("attn.to_qkv_mlp_proj", "linear1"), ("attn.to_out", "linear2")
 _FLUX2_SINGLE_NORMS = (("attn.norm_q", "norm.query_norm"), ("attn.norm_k", "norm.key_norm"))
 
 
-def _flux2(sd: dict) -> dict:
+def _bfl(sd: dict, top, double, single, what: str) -> dict:
+    """BFL's layout (FLUX.1 and FLUX.2 share its frame): the top-level names, each double block (q/k/v of both
+    streams fused, `double` renamed, the norms), each single block (`single(m, d, o)` moves its Linears)."""
     m = _Moves(sd)
-    for a, b in _FLUX2_TOP:
+    for a, b in top:
         m.mv(a, b)
     m.mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
     for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")}):
         d, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         m.fuse([f"{d}attn.to_{s}" for s in "qkv"], f"{o}img_attn.qkv")
         m.fuse([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{o}txt_attn.qkv")
-        for a, b in _FLUX2_DOUBLE:
+        for a, b in double:
             m.mv(d + a, o + b)
         for a, b in _FLUX2_DOUBLE_NORMS:
             m.norm(d + a, o + b)
     for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_transformer_blocks.")}):
         d, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        for a, b in _FLUX2_SINGLE:
-            m.mv(d + a, o + b)
+        single(m, d, o)
         for a, b in _FLUX2_SINGLE_NORMS:
             m.norm(d + a, o + b)
-    return m.done("FLUX.2")
+    return m.done(what)
 
+
+def _flux2(sd: dict) -> dict:
+    def single(m, d, o):
+        for a, b in _FLUX2_SINGLE:
+            m.mv(d + a, o + b)
+    return _bfl(sd, _FLUX2_TOP, _FLUX2_DOUBLE, single, "FLUX.2")
 
 _FLUX_TOP = (("x_embedder", "img_in"), ("context_embedder", "txt_in"), ("proj_out", "final_layer.linear"),
              ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
@@ -171,23 +178,8 @@ _FLUX_DOUBLE = (("norm1.linear", "img_mod.lin"), ("norm1_context.linear", "txt_m
 
 
 def _flux(sd: dict) -> dict:
-    m = _Moves(sd)
-    for a, b in _FLUX_TOP:
-        m.mv(a, b)
-    m.mv("norm_out.linear", "final_layer.adaLN_modulation.1", _swap)
-    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")}):
-        d, o = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        m.fuse([f"{d}attn.to_{s}" for s in "qkv"], f"{o}img_attn.qkv")
-        m.fuse([f"{d}attn.add_{s}_proj" for s in "qkv"], f"{o}txt_attn.qkv")
-        for a, b in _FLUX_DOUBLE:
-            m.mv(d + a, o + b)
-        for a, b in _FLUX2_DOUBLE_NORMS:  # the same norm names as FLUX.2's
-            m.norm(d + a, o + b)
-    for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("single_transformer_blocks.")}):
-        d, o = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+    def single(m, d, o):  # linear1 = q | k | v | mlp
         m.fuse([f"{d}attn.to_q", f"{d}attn.to_k", f"{d}attn.to_v", f"{d}proj_mlp"], f"{o}linear1")
         m.mv(f"{d}proj_out", f"{o}linear2")
         m.mv(f"{d}norm.linear", f"{o}modulation.lin")
-        for a, b in _FLUX2_SINGLE_NORMS:
-            m.norm(d + a, o + b)
-    return m.done("Flux")
+    return _bfl(sd, _FLUX_TOP, _FLUX_DOUBLE, single, "Flux")
