@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tasks.training.export import kohya_metadata, save_kohya, to_kohya
-from tasks.models.tiny import build_tiny_flux
+from tasks.models.tiny import build_tiny_flux, build_tiny_flux_kontext
 from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
 from tasks.models.flux2_dev import Flux2DevAdapter
 from tasks.models.flux2_klein import Flux2KleinAdapter
@@ -36,7 +36,7 @@ from tasks.models.zimage import ZImageAdapter
 from tolerance import assert_close, render_sums, rounding
 
 RANK, ALPHA = 4, 8
-BUILDERS = {"flux": build_tiny_flux, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15,
+BUILDERS = {"flux": build_tiny_flux, "flux_kontext": build_tiny_flux_kontext, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15,
             "zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2,
             "flux2_dev": build_tiny_flux2_dev}
 _ATTN = ["to_k", "to_q", "to_v", "to_out.0"]

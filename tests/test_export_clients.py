@@ -122,14 +122,15 @@ def test_flux_kohya_never_writes_final_layer():
     assert {k.split(".")[0] for k in out} == {"lora_unet_single_blocks_0_linear2"}
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "sd15"])
+@pytest.mark.parametrize("family", ["flux", "flux_kontext", "sd3", "sdxl", "sd15"])
 def test_kohya_keys_are_modules_of_comfyui_and_sd_scripts(family, model_dirs):
     """Every kohya module name is a `lora_unet_<original name, _>` of the family's checkpoint (ComfyUI's
     model_lora_keys_unet) and of sd-scripts' network: SGM names for SDXL (sdxl_original_unet), diffusers
     names for SD1.5 (networks/lora.py on diffusers' UNet), BFL double/single block Linears for Flux
-    (networks/lora_flux.py), SAI joint blocks for SD3 (networks/lora_sd3.py). Merges: tests/test_export.py."""
+    (networks/lora_flux.py; FLUX.1 Kontext's are Flux's: ComfyUI runs Kontext as its Flux model), SAI joint blocks
+    for SD3 (networks/lora_sd3.py). Merges: tests/test_export.py."""
     model_dir = model_dirs(family)
-    sd, _ = _trained_lora(model_dir, TARGETS[family])
+    sd, _ = _trained_lora(model_dir, TARGETS[family.replace("_kontext", "")])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         names = {k.split(".")[0] for k in to_kohya(family, sd, RANK, ALPHA)}
@@ -140,6 +141,6 @@ def test_kohya_keys_are_modules_of_comfyui_and_sd_scripts(family, model_dirs):
         assert names and names <= allowed, sorted(names - allowed)
         return
     pattern = (r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_(qkv|proj)|mlp_[02]|mod_lin)"
-               r"|single_blocks_\d+_(linear[12]|modulation_lin))" if family == "flux" else
+               r"|single_blocks_\d+_(linear[12]|modulation_lin))" if family.startswith("flux") else
                r"lora_unet_joint_blocks_\d+_(x|context)_block_(attn2?_(qkv|proj)|mlp_fc[12])")
     assert names and all(re.fullmatch(pattern, n) for n in names), sorted(names)

@@ -31,14 +31,14 @@ from tasks.training.export_lycoris import to_lycoris
 from test_export import model_dirs  # noqa: F401
 from tolerance import rounding
 
-FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
+FAMILIES = ["flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
 _N = r"\.\d+\."
 _FLUX = (rf"transformer_blocks{_N}(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|norm1(_context)?\.linear"
          rf"|ff(_context)?\.(net\.(0\.proj|2)|linear_(in|out)))"
          rf"|single_transformer_blocks{_N}(attn\.(to_[qkv]|to_qkv_mlp_proj|to_out)|proj_mlp|proj_out|norm\.linear)"
          r"|proj_out|x_embedder|context_embedder|norm_out\.linear|time_text_embed\.\w+\.linear_[12]")
 COMFY_LYCORIS = {  # diffusers Linear names the `lycoris_` keys reach, per family (see the module's docstring)
-    "flux": _FLUX, "flux2_klein": _FLUX, "flux2_dev": _FLUX,
+    "flux": _FLUX, "flux_kontext": _FLUX, "flux2_klein": _FLUX, "flux2_dev": _FLUX,  # Kontext: ComfyUI's Flux model
     "sd3": rf"transformer_blocks{_N}(attn2?\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|ff(_context)?\.net\.(0\.proj|2)"
            r"|norm1(_context)?\.linear)|proj_out|context_embedder|time_text_embed\.\w+\.linear_[12]",
     "sdxl": r".*attentions\.\d+\.(proj_in|proj_out|transformer_blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2)))",
