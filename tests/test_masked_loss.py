@@ -24,7 +24,7 @@ from tasks.models.losses import ddpm_loss, flow_loss
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
+FAMILIES = ["flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
 
 
 def _half_mask(b=2, h=8, w=8):
