@@ -35,7 +35,8 @@ def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
     # A bucketed item carries its own size; the key has the size it is encoded at either way. A flipped
     # twin (data.flip_aug) is the same bytes mirrored: "flip" in its key only, so other keys stay.
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
-    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip})
+    resize = {"resize_to": it["resize_to"]} if "resize_to" in it else {}  # a control at its family's size
+    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip, **resize})
 
 
 MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
@@ -50,12 +51,16 @@ def _mask_key(plan: dict, it: dict) -> str:
 
 def latent_items(plan: dict) -> list[dict]:
     """What is encoded: each image, and each control image of an edit pair (data.control_dirs) as an item
-    `control:<image>:<k>` at its target's size, mirrored with it (tasks/data/controls.py)."""
+    `control:<image>:<k>` fitted to its target's size, mirrored with it, then resized to the family's control
+    size where its pipeline resizes controls (`resize_to`; tasks/data/controls.py)."""
     out = list(plan["items"])
+    control_size = adapter_class(plan["family"]).control_size
     for it in plan["items"]:
+        size = it.get("size", plan["size"])
+        resize = {"resize_to": list(control_size(*size))} if list(control_size(*size)) != list(size) else {}
         for k, (path, digest) in enumerate(it.get("controls", [])):
             out.append({"name": controls.item_name(it["name"], k), "image": path, "image_digest": digest,
-                        **{f: it[f] for f in ("size", "flip_of") if f in it}})
+                        **{f: it[f] for f in ("size", "flip_of") if f in it}, **resize})
     return out
 
 
@@ -91,7 +96,10 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
     read = [read_image(it["image"]) for it in batch]
     # a flipped twin is mirrored before the resize and crop: its geometry is that of the image it trains on
     read = [(ImageOps.mirror(img) if "flip_of" in it else img, d) for (img, d), it in zip(read, batch)]
-    done = [image_to_tensor_and_geometry(img, *it.get("size", size)) for (img, _), it in zip(read, batch)]
+    read = [(controls.resized(img, it.get("size", size), it["resize_to"]) if "resize_to" in it else img, d)
+            for (img, d), it in zip(read, batch)]  # fitted to its target, then at its family's control size
+    done = [image_to_tensor_and_geometry(img, *it.get("resize_to", it.get("size", size)))
+            for (img, _), it in zip(read, batch)]
     pixels = torch.stack([p for p, _ in done])
     pixels = pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
     return pixels, [g for _, g in done], [d for _, d in read]

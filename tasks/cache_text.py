@@ -1,13 +1,14 @@
-"""Node cache_text: every distinct text (captions, sample prompts and negatives, the empty prompt) encoded once."""
+"""Node cache_text: every distinct text (captions, sample prompts and negatives, the empty prompt) encoded once;
+for Qwen-Image-Edit, whose text encoder sees the control images, each text with its images (named_images)."""
 from __future__ import annotations
 
 import logging
 
-from tasks.data import augment
+from tasks.data import augment, controls, prompts
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import digest_text, key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
-from tasks.models import make_adapter
+from tasks.models import adapter_class, make_adapter
 from tasks.runtime import runtime
 from tasks.store import Store
 
@@ -51,7 +52,7 @@ def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
     return caption_texts_of(cfg)(item)
 
 
-def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
+def named_texts_only(plan: dict, cfg: dict) -> dict[str, str]:
     """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
     augmentation variants) only when training reads them from the cache; otherwise it encodes them. None
     with train.text_encoder_lr: train and sample encode every text with the encoders being trained."""
@@ -68,17 +69,59 @@ def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
     return texts
 
 
-def text_key(cfg: dict, plan: dict, text: str) -> str:
-    return key_of({**params(cfg, plan), "text": text})
+def named_images(plan: dict, cfg: dict) -> dict[str, dict]:
+    """For a family whose text encoder sees the control images (Qwen-Image-Edit), what each text is encoded
+    with: {name: {"images": [[file, sha256], ...], "size": [w, h]}}, the controls fitted to that size. A
+    caption (and its variants) sees its item's controls, with caption dropout so does the item's own empty
+    prompt (`empty:<item>`); a sample prompt's texts see its --i images at the sample's size, and so does its
+    empty prompt (`empty:prompt:<line>`, its negative for true CFG). {} for every other family."""
+    if not adapter_class(plan["family"]).text_sees_controls or te_lora.enabled(cfg):
+        return {}
+    texts_of, out = caption_texts_of(cfg), {}
+    dropout = caption_aug(cfg).caption_dropout_rate > 0
+    for it in (it for it in plan["items"] if it.get("controls")):
+        seen = {"images": it["controls"], "size": list(it.get("size", plan["size"]))}
+        out.update({caption_name(it["name"], label): seen for label in texts_of(it)})
+        if dropout:
+            out[f"empty:{it['name']}"] = seen
+    for p in (p for p in plan["prompts"] if p.get("images")):
+        s = prompts.sample_settings(cfg, plan, p)
+        seen = {"images": p["images"], "size": [s["width"], s["height"]]}
+        out[f"prompt:{p['line']}"] = out[f"empty:prompt:{p['line']}"] = seen
+        if p["negative"]:
+            out[f"negative:{p['line']}"] = seen
+    return out
+
+
+def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
+    """named_texts_only, plus the empty prompts that see control images (named_images)."""
+    texts = named_texts_only(plan, cfg)
+    return {**texts, **{n: "" for n in named_images(plan, cfg) if n.startswith("empty:")}}
+
+
+def seen_part(seen: dict | None) -> dict:
+    """What a text's key holds of the images its encoder sees: their bytes and size ({} without)."""
+    return {"images": [d for _, d in seen["images"]], "image_size": seen["size"]} if seen else {}
+
+
+def text_key(cfg: dict, plan: dict, text: str, seen: dict | None = None) -> str:
+    return key_of({**params(cfg, plan), "text": text, **seen_part(seen)})
 
 
 def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
-    p = params(cfg, plan)
-    return {name: key_of({**p, "text": text}) for name, text in named_texts(plan, cfg).items()}
+    p, seen = params(cfg, plan), named_images(plan, cfg)
+    return {name: key_of({**p, "text": text, **seen_part(seen.get(name))}) for name, text in named_texts(plan, cfg).items()}
 
 
 def inputs(cfg: dict, plan: dict) -> dict:
-    return {**params(cfg, plan), **{n: digest_text(t) for n, t in named_texts(plan, cfg).items()}}
+    seen = named_images(plan, cfg)
+    return {**params(cfg, plan), **{n: key_of([digest_text(t), seen_part(seen.get(n))]) if n in seen else digest_text(t)
+                                    for n, t in named_texts(plan, cfg).items()}}
+
+
+def seen_images(seen: dict | None) -> list:
+    """The control images a text is encoded with, fitted to its size as they train ([] without)."""
+    return [controls.fitted(f, *seen["size"]) for f, _ in seen["images"]] if seen else []
 
 
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
@@ -86,17 +129,19 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
-    texts = named_texts(plan, cfg)
+    texts, seen = named_texts(plan, cfg), named_images(plan, cfg)
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     if status.missing:
         by_key = {keys[n]: t for n, t in texts.items()}
+        seen_by_key = {keys[n]: s for n, s in seen.items()}
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         encoders = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_text_encoders)
         batches = list(chunks(status.missing, batch_size))
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch in progress(batches, "cache_text", len(batches)):
-                encoded = adapter.encode_text(encoders, [by_key[k] for k in batch])
+                images = {"images": [seen_images(seen_by_key.get(k)) for k in batch]} if seen_by_key else {}
+                encoded = adapter.encode_text(encoders, [by_key[k] for k in batch], **images)
                 for k, tensors in zip(batch, encoded):
                     writes.submit(store.put_tensors, KIND, k, tensors, meta={"text": by_key[k]}, recomputable=True)
         log.info("cache_text: encoded %d text(s), reused %d", len(status.missing), len(status.reused))

@@ -9,7 +9,7 @@ from pathlib import Path
 from PIL import Image
 
 from tasks import cache_text
-from tasks.data import controls
+from tasks.data import controls, prompts
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
@@ -23,16 +23,7 @@ KIND = "samples"
 log = logging.getLogger("loraflow")
 
 
-def settings(cfg: dict, plan: dict, prompt: dict) -> dict:
-    """A prompt's own kohya options win over the sample.* defaults."""
-    sc = cfg["sample"]
-    return {"width": prompt["width"] or sc["width"] or plan["size"][0],
-            "height": prompt["height"] or sc["height"] or plan["size"][1],
-            "steps": prompt["steps"] or sc["steps"],
-            "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],
-            "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc["true_cfg"],
-            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"],
-            "generator_device": sc["generator_device"]}
+settings = prompts.sample_settings  # a prompt's own kohya options over the sample.* defaults
 
 
 def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str, dict]:
@@ -47,9 +38,15 @@ def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str,
         text_keys = {"empty": key(""), **{f"{kind}:{p['line']}": key(p[kind]) for p in plan["prompts"]
                                           for kind in ("prompt", "negative") if p[kind]}}
     return {f"prompt:{p['line']}": {**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
-                                    "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys["empty"],
+                                    "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys[empty_name(p, text_keys)],
                                     **control_inputs(p)}
             for p in plan["prompts"]}
+
+
+def empty_name(prompt: dict, text_keys: dict) -> str:
+    """The empty prompt a sample reads: its own where the text encoder sees its --i images (cache_text)."""
+    own = f"empty:prompt:{prompt['line']}"
+    return own if own in text_keys else "empty"
 
 
 def control_inputs(prompt: dict) -> dict:
@@ -113,7 +110,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             s = settings(cfg, plan, p)
             prompt = tensors(f"prompt:{p['line']}", p["prompt"])
             negative = tensors(f"negative:{p['line']}", p["negative"]) if p["negative"] else None
-            empty = tensors("empty", "")
+            empty = tensors(empty_name(p, text_keys), "")
             image = render(adapter, pipe, (prompt, negative, empty), s, p)
             with store.tmp_dir("sample") as tmp:
                 png = Path(tmp) / "sample.png"

@@ -62,7 +62,11 @@ class _Captions:
             return self.encode(self.encoders, [augment.fresh(item["caption"], self.aug, step, generator)])[0]
         label = augment.choose(item["caption"], self.aug, step, generator)
         owner = cache_text.caption_owner(item)  # a flipped twin reads its source's cached texts
-        key = self.text_keys["empty" if label is None else cache_text.caption_name(owner, label)]
+        if label is None:  # dropped: the empty prompt, the item's own where the encoder sees its controls
+            name = f"empty:{owner}" if f"empty:{owner}" in self.text_keys else "empty"
+        else:
+            name = cache_text.caption_name(owner, label)
+        key = self.text_keys[name]
         return self.memo.get_or_load(key, lambda: self.store.get_tensors(cache_text.KIND, key))
 
 

@@ -18,8 +18,10 @@ from learning import FILES
 
 FAST = ["tiny_flux", "tiny_sd15"]  # a flow-matching transformer and a DDPM UNet: both loss kinds
 # and the pretrained demo base (data/demo_base), at its own bound; LoKr / LoHa (their LyCORIS file); and FLUX.1
-# Kontext and FLUX.2 [klein] (a reference image) on one (control, target) pair, rendered given the control
-CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha", "tiny_flux_kontext", "tiny_flux2_klein+ref"]
+# Kontext, FLUX.2 [klein] (a reference image) and Qwen-Image-Edit on one (control, target) pair, rendered given
+# the control
+CHECKED = [*FAST, "demo_flux", "tiny_flux+lokr", "tiny_flux+loha", "tiny_flux_kontext", "tiny_flux2_klein+ref",
+           "tiny_qwenimage_edit"]
 
 
 @pytest.fixture(scope="module")

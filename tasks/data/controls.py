@@ -5,7 +5,10 @@ A training image's control images are the files with its relative path and stem 
 in the order of the list (the kohya / musubi-tuner convention). Each is resized and centre-cropped to its
 target's training size and cached as a latent like the target (cache_latents: item `control:<image>:<k>`),
 keyed by its bytes: a control edit encodes that control alone. diffusers' Kontext training example resizes a
-pair's control image with its target's transforms; so does this.
+pair's control image with its target's transforms; so does this, and FLUX.2's references train so too. A
+family whose pipeline resizes the images it is given (Qwen-Image-Edit: about 1 MP for its VAE, 384x384 for its
+text encoder) gets the fitted image resized again as its pipeline does (the adapter's `control_size`), so
+training sees what sampling from the same fitted image sees.
 """
 from __future__ import annotations
 
@@ -23,15 +26,21 @@ def item_name(name: str, k: int) -> str:
     return f"{PREFIX}{name}:{k}"
 
 
-def errors(dc: dict, family: str, max_controls: int) -> list[str]:
-    dirs = list(dc.get("control_dirs") or [])
+def errors(dc: dict, family: str, adapter_cls) -> list[str]:
+    dirs, max_controls = list(dc.get("control_dirs") or []), adapter_cls.max_controls
     if dirs and not max_controls:
         return [f"data.control_dirs: model.family={family} takes no control image; an edit family does "
-                "(tiny_flux_kontext / flux_kontext): set data.control_dirs=[] or pick one"]
+                "(tiny_flux_kontext, tiny_qwenimage_edit, the flux2 models): set data.control_dirs=[] or pick one"]
     if len(dirs) > max_controls:
         return [f"data.control_dirs has {len(dirs)} folders; model.family={family} takes at most {max_controls} "
                 "control image(s) per sample"]
     out = []
+    if not dirs and adapter_cls.requires_controls:
+        out.append(f"model.family={family} edits an image: set data.control_dirs=[DIR] (control images by the "
+                   "targets' stems)")
+    if dc.get("flip_aug") and adapter_cls.text_sees_controls:  # a twin's text would need its mirrored controls
+        out.append(f"data.flip_aug with model.family={family}: its prompt embedding sees the control image, which "
+                   "a flip would change; set data.flip_aug=false")
     if dirs and dc.get("validation_split"):  # tasks/training/validation.py scores without the control latents
         out.append("data.validation_split with data.control_dirs: the validation loss does not read control "
                    "images yet; set data.validation_split=0")
@@ -93,6 +102,9 @@ def prompt_images(p, prompts_file) -> dict:
 def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str]:
     """What is wrong with the sample prompts' --i images for this family (none, too many, too small)."""
     out, family, sc = [], cfg["model"]["family"], cfg["sample"]
+    if adapter_cls.requires_controls:
+        out += [f"sample.prompts_file={sc['prompts_file']}:{p['line']}: model.family={family} edits an image: give "
+                "it one with --i PATH" for p in prompts if not p.get("images")]
     for p in (p for p in prompts if p.get("images")):
         where = f"sample.prompts_file={sc['prompts_file']}:{p['line']}: --i"
         w, h = p["width"] or sc["width"] or size[0], p["height"] or sc["height"] or size[1]
@@ -111,6 +123,13 @@ def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str
 def fitted(path: str, width: int, height: int) -> Image.Image:
     """A control image resized to cover (width, height) and centre-cropped, as its target trains (bicubic)."""
     return cover_crop(load_image(path), width, height)[0]
+
+
+def resized(img: Image.Image, size, resize_to) -> Image.Image:
+    """A control image fitted to its target's `size`, then resized to `resize_to` as diffusers'
+    VaeImageProcessor.resize does a PIL image in the pipelines that resize their controls (Lanczos): what the
+    pipeline makes of the fitted image it is given when sampling."""
+    return cover_crop(img.convert("RGB"), *size)[0].resize(tuple(resize_to), Image.Resampling.LANCZOS)
 
 
 def beside(controls: list[Image.Image], image: Image.Image) -> Image.Image:

@@ -154,3 +154,15 @@ def read_prompts(path) -> tuple[list[SamplePrompt], list[str]]:
         if p is not None:
             prompts.append(p)
     return prompts, warnings
+
+
+def sample_settings(cfg: dict, plan: dict, prompt: dict) -> dict:
+    """A prompt's own kohya options win over the sample.* defaults."""
+    sc = cfg["sample"]
+    return {"width": prompt["width"] or sc["width"] or plan["size"][0],
+            "height": prompt["height"] or sc["height"] or plan["size"][1],
+            "steps": prompt["steps"] or sc["steps"],
+            "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],
+            "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc["true_cfg"],
+            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"],
+            "generator_device": sc["generator_device"]}

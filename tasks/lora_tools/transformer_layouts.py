@@ -35,7 +35,7 @@ _QKV = re.compile(r"(.+\.attention)\.to_([qkv])\.weight")
 
 
 def to_original(family: str, sd: dict) -> dict:
-    if family == "qwenimage":
+    if family in ("qwenimage", "qwenimage_edit"):
         return dict(sd)
     if family == "sd3":
         return _sd3(sd)

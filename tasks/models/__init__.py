@@ -26,6 +26,8 @@ FAMILIES = {
     "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),
     "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny_llm_families:build_tiny_zimage"),
     "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny_llm_families:build_tiny_qwenimage"),
+    "qwenimage_edit": ("tasks.models.qwenimage_edit:QwenImageEditAdapter",
+                       "tasks.models.tiny_qwenimage_edit:build_tiny_qwenimage_edit"),
     "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
     "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
 }

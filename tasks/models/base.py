@@ -137,6 +137,16 @@ class FamilyAdapter(ABC):
     # Their training_loss reads text["control_latents"] ([B, K, C, h, w]) and their sample takes `controls`.
     max_controls = 0
     min_control_side = 0  # the smallest control image (px a side) the pipeline takes
+    requires_controls = False  # the pipeline renders only from a control image (every pair and --i needs one)
+    # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
+    # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)
+    text_sees_controls = False
+
+    @classmethod
+    def control_size(cls, width: int, height: int) -> tuple[int, int]:
+        """The size a control image of a (width, height) target is encoded at: the target's, unless the
+        family's pipeline resizes its controls otherwise."""
+        return width, height
     text_encoder_lora_modules: tuple[str, ...] = ()
     text_encoder_lora_targets: tuple[str, ...] = ()
 

@@ -47,12 +47,15 @@ class QwenImageAdapter(TransformerAdapter):
         # longest caption, cut at max_sequence_length; the cache stores every caption padded to
         # max_sequence_length (zeros) with its mask, so captions stack into batches of any mix of lengths.
         embeds, mask = pipe.encode_prompt(texts, device=self.device, max_sequence_length=self.max_sequence_length)
+        return self.padded(embeds, mask)
+
+    def padded(self, embeds, mask) -> list[dict]:
         if mask is None:  # all tokens real: the pipeline drops the mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.int64, device=embeds.device)
         pad = self.max_sequence_length - embeds.shape[1]
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad)).cpu()
         mask = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).cpu()
-        return [{"prompt_embeds": embeds[i], "attention_mask": mask[i]} for i in range(len(texts))]
+        return [{"prompt_embeds": embeds[i], "attention_mask": mask[i]} for i in range(len(embeds))]
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
@@ -75,19 +78,21 @@ class QwenImageAdapter(TransformerAdapter):
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
 
     # -- sampling --------------------------------------------------------------------------------
+    def embeds(self, d: dict, name: str) -> dict:
+        """A cached text as the pipeline's `<name>_embeds(_mask)`, cut back to its own tokens (the real tokens
+        lead: right padding), mask all ones (the pipeline then drops it), as from a string."""
+        n = int(d["attention_mask"].sum())
+        return {f"{name}_embeds": d["prompt_embeds"][None, :n].to(self.dtype),
+                f"{name}_embeds_mask": torch.ones(1, n, dtype=torch.int64, device=d["prompt_embeds"].device)}
+
     @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu"):
         # True CFG at `true_cfg` (the pipeline's true_cfg_scale, on when > 1) against the prompt's negative,
         # else the cached empty prompt; `guidance` is unused (Qwen-Image has no distilled guidance). Each
         # caption is cut back to its own tokens: the pipeline's input from a string, mask dropped.
-        def embeds(d, name):
-            n = int(d["attention_mask"].sum())  # the real tokens lead (right padding)
-            return {f"{name}_embeds": d["prompt_embeds"][None, :n].to(self.dtype),
-                    f"{name}_embeds_mask": torch.ones(1, n, dtype=torch.int64)}  # all real: the pipeline drops it
-
-        kwargs = embeds(prompt, "prompt")
+        kwargs = self.embeds(prompt, "prompt")
         if true_cfg > 1:
-            kwargs.update(embeds(negative if negative is not None else empty, "negative_prompt"))
+            kwargs.update(self.embeds(negative if negative is not None else empty, "negative_prompt"))
         generator = self.make_generator(pipe, seed, generator_device)
         return pipe(**kwargs, true_cfg_scale=true_cfg, width=width, height=height, num_inference_steps=steps,
                     max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil").images[0]

@@ -120,10 +120,11 @@ QWEN25VL_CHAT_TEMPLATE = (
 )
 
 
-def _qwen25vl_tokenizer(num_merges: int) -> Qwen2Tokenizer:
-    """Qwen2.5-VL's layout: byte-level BPE, <|endoftext|> pad, <|im_end|> eos, the vision specials."""
+def qwen25vl_tokenizer(num_merges: int, system: str = QWENIMAGE_SYSTEM) -> Qwen2Tokenizer:
+    """Qwen2.5-VL's layout: byte-level BPE, <|endoftext|> pad, <|im_end|> eos, the vision specials; `system`:
+    the pipeline's template text, learnt whole-word so its dropped prefix has the real tokenizer's length."""
     backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer
-    lines = corpus() + [QWENIMAGE_SYSTEM, "system", "user", "assistant"] * 40  # role names start a line
+    lines = corpus() + [system, "system", "user", "assistant"] * 40  # role names start a line
     words = Counter(piece for line in lines
                     for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
     merges = learn_bpe(words, num_merges, suffix="")
@@ -154,13 +155,22 @@ def build_tiny_qwenimage(out_dir: str | Path, seed: int = 0, arch: dict | None =
     axes_dims_rope), AutoencoderKLQwenImage (z_dim, vae_*), Qwen2.5-VL text model (qwen_*). Images are
     multiples of 16 px; call with e.g. height/width 64 and `max_sequence_length=32`.
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     a = resolve_arch(QWENIMAGE_ARCH, arch)
-    tokenizer = _qwen25vl_tokenizer(a["qwen_num_merges"])
+    tokenizer = qwen25vl_tokenizer(a["qwen_num_merges"])
+    pipe = QwenImagePipeline(tokenizer=tokenizer, **qwenimage_parts(a, tokenizer, seeder(seed, 3)))
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def qwenimage_parts(a: dict, tokenizer, seeded) -> dict:
+    """Transformer, VAE, Qwen2.5-VL and scheduler of a tiny Qwen-Image pipeline (Qwen-Image-Edit's too)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN25VL_SPECIALS}
-    seeded = seeder(seed, 3)
     transformer = seeded(0, lambda: QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * a["z_dim"], out_channels=a["z_dim"], num_layers=a["num_layers"],
         attention_head_dim=a["attention_head_dim"], num_attention_heads=a["num_attention_heads"],
@@ -194,11 +204,7 @@ def build_tiny_qwenimage(out_dir: str | Path, seed: int = 0, arch: dict | None =
         invert_sigmas=False, stochastic_sampling=False, use_beta_sigmas=False, use_exponential_sigmas=False,
         use_karras_sigmas=False,
     )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                             transformer=transformer)
-    out_dir = Path(out_dir)
-    pipe.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer)
 
 
 FLUX2_ARCH: dict = {

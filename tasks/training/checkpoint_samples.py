@@ -146,15 +146,24 @@ class CheckpointSampler:
             self._warn(step, w)
         return planned
 
-    def _text_keys(self, step: int, texts: set[str]) -> dict[str, str]:
-        keys = {t: cache_text.text_key(self.cfg, self.plan, t) for t in texts}
+    def _seen(self, p: dict, s: dict) -> dict | None:
+        """The --i images a prompt's texts are encoded with, where the text encoder sees them (cache_text)."""
+        if not (p.get("images") and self.adapter.text_sees_controls):
+            return None
+        return {"images": p["images"], "size": [s["width"], s["height"]]}
+
+    def _text_keys(self, step: int, texts: list[tuple[str, dict | None]]) -> dict[tuple, str]:
+        """{(text, images digests): cache key} of (text, seen images) pairs, each encoded now if not cached."""
+        keys = {_ident(t, seen): cache_text.text_key(self.cfg, self.plan, t, seen) for t, seen in texts}
         if self.live_text:  # encoded at render time by the trained encoders; the keys name the texts only
             return keys
-        new = [t for t, k in keys.items() if not self.store.valid(cache_text.KIND, k)]
+        todo = {keys[_ident(t, seen)]: (t, seen) for t, seen in texts}
+        new = {k: ts for k, ts in todo.items() if not self.store.valid(cache_text.KIND, k)}
         if new:  # encoders loaded for this sample point only
             encoders = self.adapter.load_text_encoders()
-            for t in new:
-                self.store.put_tensors(cache_text.KIND, keys[t], self.adapter.encode_text(encoders, [t])[0],
+            for k, (t, seen) in new.items():
+                images = {"images": [cache_text.seen_images(seen)]} if seen else {}
+                self.store.put_tensors(cache_text.KIND, k, self.adapter.encode_text(encoders, [t], **images)[0],
                                        meta={"text": t})
             del encoders
             log.info("sample at step %d: encoded %d new prompt text(s)", step, len(new))
@@ -162,21 +171,28 @@ class CheckpointSampler:
 
     def _render(self, step: int, denoiser, state_key: str) -> list[dict]:
         prompts = self._prompts(step)
-        keys = self._text_keys(step, {p["prompt"] for p in prompts} | {p["negative"] for p in prompts} | {""})
-        tensors = self.live_text or (lambda text: self.store.get_tensors(cache_text.KIND, keys[text]))
+        seen = {p["line"]: self._seen(p, sample.settings(self.cfg, self.plan, p)) for p in prompts}
+        keys = self._text_keys(step, [(t, seen[p["line"]]) for p in prompts for t in (p["prompt"], p["negative"], "")])
+        def tensors(text: str, sn: dict | None):
+            if self.live_text:  # the trained encoders' (no family with them sees images)
+                return self.live_text(text)
+            return self.store.get_tensors(cache_text.KIND, keys[_ident(text, sn)])
+
         pipe, entries = None, []
         for p in prompts:
             s = sample.settings(self.cfg, self.plan, p)
             key = key_of({"node": "checkpoint_sample", "code": CODE_VERSION, "state": state_key, **s,
-                          "model": self.plan["ids"]["sample"], "prompt": keys[p["prompt"]],
-                          "negative": keys[p["negative"]] if p["negative"] else None, "empty": keys[""],
+                          "model": self.plan["ids"]["sample"], "prompt": keys[_ident(p["prompt"], seen[p["line"]])],
+                          "negative": keys[_ident(p["negative"], seen[p["line"]])] if p["negative"] else None,
+                          "empty": keys[_ident("", seen[p["line"]])],
                           **sample.control_inputs(p)})
             if not self.store.valid(sample.KIND, key):
                 if pipe is None:
                     pipe = self.adapter.load_sampler(None, denoiser=denoiser)
                     denoiser.eval()
                 try:
-                    texts = (tensors(p["prompt"]), tensors(p["negative"]) if p["negative"] else None, tensors(""))
+                    sn = seen[p["line"]]
+                    texts = (tensors(p["prompt"], sn), tensors(p["negative"], sn) if p["negative"] else None, tensors("", sn))
                     image = sample.render(self.adapter, pipe, texts, s, p)
                 except Exception as e:  # noqa: BLE001 -- one bad prompt costs its image only
                     self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
@@ -188,3 +204,8 @@ class CheckpointSampler:
             entries.append({"line": p["line"], "prompt": p["prompt"], "path": str(self.store.get_path(sample.KIND, key))})
         log.info("sample at step %d: %d image(s)", step, len(entries))
         return entries
+
+
+def _ident(text: str, seen: dict | None) -> tuple:
+    """A text and the images its encoder sees, as a dict key."""
+    return (text, *cache_text.seen_part(seen).get("images", ()), *(seen["size"] if seen else ()))

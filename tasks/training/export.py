@@ -28,6 +28,7 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - flux2_dev: the same names (the same transformer), which `Flux2Pipeline` converts with the same converter.
 - qwenimage: the same rule (`lora_unet_transformer_blocks_0_attn_to_q`), musubi-tuner's Qwen-Image layout,
   which diffusers' `QwenImagePipeline` converts (`_convert_non_diffusers_qwen_lora_to_diffusers`).
+- qwenimage_edit: the same (Qwen-Image-Edit is Qwen-Image's transformer; its pipelines share the loader).
 
 Pure core: no prefect/hydra imports.
 """
@@ -50,7 +51,8 @@ state_dict_utils = lazy("diffusers.utils.state_dict_utils")
 safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
-FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
+FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
+            "flux2_dev")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -114,9 +116,10 @@ _DROP = {"flux": r"proj_out", "flux_kontext": r"proj_out"}
 _META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lora_flux", "flux1"), "sd3": ("networks.lora_sd3", "sd3"),
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
+         "qwenimage_edit": ("networks.lora_qwen_image", "qwen_image_edit"),
          "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
-_NAMED = ("zimage", "qwenimage")
+_NAMED = ("zimage", "qwenimage", "qwenimage_edit")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)
 _TE_PREFIX = {"sd15": {"text_encoder": "lora_te"}, "sdxl": {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}}
 
