@@ -80,6 +80,9 @@ SETTINGS["tiny_flux2_klein+ref"] = {**SETTINGS["tiny_flux2_klein"], "control": T
 # Qwen-Image-Edit: its pipeline encodes the control at ~1 MP (4096 tokens beside the target's 16), so one image a
 # batch: measured 0.128 in 2.5 min (a batch of 4: 0.074 in 9 min on 2 cores)
 SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True, "batch": 1}
+# `<model>+int8|nf4`: trained on a quantized base (model.quantize, QLoRA), the files rendered on the full base
+SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
+SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
@@ -131,6 +134,7 @@ def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]
             f"train.max_steps={s['steps']}", f"train.lr={s['lr']}", f"train.lr_scheduler={s.get('lr_scheduler', 'cosine')}",
             *([f"train.target_modules=[{','.join(s['targets'])}]"] if s.get("targets") else []),
             *([f"data.control_dirs=[{root / 'control'}]"] if s.get("control") else []),
+            *([f"model.quantize={s['quantize']}", "model.dtype=bfloat16"] if s.get("quantize") else []),
             "train.log_every=25", "train.log_with=none",
             f"sample.prompts_file={root / 'prompts.txt'}", "sample.steps=2", "export.format=both",
             f"store.root={root / 'store'}"]

@@ -1,6 +1,7 @@
 """What FLUX.1-dev LoRA training holds, measured from real tensors on the CPU (no GPU needed).
 
     python -m bench.memory [--out bench/memory.json] [--rank 16] [--only bf16,fp8+ckpt]
+    python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]   # Qwen-Image, FLUX.2 [dev], FLUX.1-dev rows
 
 Weights: the exact bytes of the model the train node prepares (bench/gpu.py `build`, i.e.
 tasks.training.train_setup.prepare_denoiser: peft LoRA on the Flux adapter's default targets, fp32 LoRA, the fp8 base of
@@ -195,7 +196,7 @@ def row(name: str, resolution: int, text_len: int, fp8: bool, ckpt: bool, modula
     held = {opt: m["weights_bytes"] + lora_bytes + m["lora_params"] * b + m["activation_bytes"]
             for opt, b in OPTIMIZER_BYTES.items()}
     est = preflight(folder, resolution, text_len, fp8, ckpt, modulation, rank)
-    return {"name": name, "measured_gib": held["adamw"] / GIB, "preflight_gib": est["total_gb"],
+    return {"name": name, "measured_gib": held["adamw"] / GIB, "preflight_gib": est["total_gb"], "host_gib": 0.0,
             "estimate_error": est["total_gb"] / (held["adamw"] / GIB) - 1,
             "resolution": resolution, "image_tokens": (resolution // 16) ** 2, "text_tokens": text_len,
             "rank": rank, "fp8": fp8, "checkpointing": ckpt, "modulation_fp8": modulation,
@@ -236,7 +237,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the real-CPU check of the fake-tensor count")
     ap.add_argument("--only", default=",".join(c[0] for c in CONFIGS), help="comma list of " +
                     ", ".join(c[0] for c in CONFIGS))
+    ap.add_argument("--families", action="store_true", help="the big bases' rows <model>:<options> "
+                    "(bench/memory_families.py: quantized bases, block swap), merged into --out")
     args = ap.parse_args(argv)
+    if args.families:
+        from bench import memory_families
+
+        return memory_families.main(Path(args.out), None if args.only == ap.get_default("only") else args.only)
     wanted = set(args.only.split(","))
     t0 = time.perf_counter()
     rows = []

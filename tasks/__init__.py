@@ -10,3 +10,21 @@ lives in a sub-package by concern, each saying what it may import (checked by te
 - models/    one adapter per family, the tiny builders, LoRA on the text encoders
 - training/  the train node's parts: set-up, keys, checkpoints, processes, memory, export
 """
+import logging as _logging
+
+
+class _KnownImportNoise(_logging.Filter):
+    """Drops the log lines torchao 0.18 causes at import in every process that imports diffusers (which imports
+    torchao when it is installed), none of which touches what loraflow uses of it (its int8 and NF4 tensors):
+    its CUDA-only extensions failing to load beside the CPU build of torch, torch 2.13 deprecating how it
+    registers two Enums, and diffusers 0.42 looking for tensor classes torchao has moved."""
+
+    NEEDLES = ("Failed to load", "is an Enum subclass and is now natively supported",
+               "Unable to import `torchao` Tensor objects")
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.NEEDLES)
+
+
+for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+    _logging.getLogger(_name).addFilter(_KnownImportNoise())

@@ -37,6 +37,9 @@ class ModelConfig:
     # With storage_dtype: also store the AdaLN modulation linears (Flux, SD3; a quarter of Flux's weights) in it,
     # as sd-scripts' --fp8_base does. false: kept in `dtype`, diffusers' default for layerwise casting.
     storage_modulation: bool = False
+    # none | fp8 | int8 | nf4: the frozen base stored quantized while training (fp8 = storage_dtype=float8_e4m3fn;
+    # int8 / nf4: torchao's tensors, tasks/training/quantized_base.py)
+    quantize: str = "none"
     max_sequence_length: int = 32
 
 
@@ -134,6 +137,9 @@ class TrainConfig:
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False
+    # The frozen weights of the last N transformer blocks held in host memory, copied in for each use
+    # (tasks/training/block_swap.py); 0: none
+    blocks_to_swap: int = 0
     memory_limit_gb: Optional[float] = None  # preflight budget; None: the device's free memory
     mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs CUDA), through accelerate
     save_every_n_steps: int = 0  # 0: a checkpoint at the last step only
@@ -375,3 +381,12 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> dict
         except (OSError, ValueError) as e:
             raise ConfigError(f"data.subsets[{i}].dir={subset['dir'][:200]!r}: not a usable path ({e})") from e
     return plain
+
+
+def stored_as(mc: dict) -> str | None:
+    """How the frozen base is stored in training: float8_e4m3fn / float8_e5m2 (model.storage_dtype, or
+    model.quantize=fp8), int8 or nf4 (model.quantize); None: in model.dtype."""
+    q = mc.get("quantize") or "none"
+    if q == "fp8":
+        return "float8_e4m3fn"
+    return q if q in ("int8", "nf4") else mc.get("storage_dtype")

@@ -11,7 +11,7 @@ from collections import Counter
 from tasks.data import augment, controls, masks, subsets
 from tasks.training import memory, validation
 from tasks.models import text_encoder_lora as te_lora
-from tasks.config import ConfigError
+from tasks.config import ConfigError, stored_as
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
 from tasks.store.hashing import digest_file, key_of
 from tasks.data.image_memo import ImageMemo
@@ -151,9 +151,14 @@ def _check_device(cfg: dict) -> list[str]:
             import prodigyopt  # noqa: F401
         except ImportError:
             errors.append("train.optimizer=prodigy needs prodigyopt (pip install prodigyopt); or use train.optimizer=adamw")
-    storage = cfg["model"].get("storage_dtype")
+    storage, quantize = cfg["model"].get("storage_dtype"), cfg["model"].get("quantize", "none")
     if storage not in (None, "float8_e4m3fn", "float8_e5m2"):
         errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")
+    if quantize not in ("none", "fp8", "int8", "nf4"):
+        errors.append(f"model.quantize={quantize!r}: choose none, fp8, int8 or nf4")
+    elif quantize != "none" and storage:
+        errors.append(f"model.quantize={quantize} with model.storage_dtype={storage}: two ways to store the base; "
+                      "keep one (model.quantize=fp8 is model.storage_dtype=float8_e4m3fn)")
     return errors
 
 
@@ -253,10 +258,21 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
         errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "
                       "the text encoders' DoRA magnitudes have no kohya layout here; set export.format=diffusers "
                       "or drop train.text_encoder_lr")
-    if tc["network"] == "dora" and cfg["model"]["storage_dtype"]:
-        # DoRA reads the base weight for its norm directly, past the fp8 base's autograd cast
-        errors.append(f"train.network=dora with model.storage_dtype={cfg['model']['storage_dtype']}: DoRA needs the "
-                      "base weights in the compute dtype; drop one of the two (model.storage_dtype=null)")
+    swap = tc.get("blocks_to_swap", 0)
+    if swap < 0 or (swap and not adapter_cls.swap_blocks):
+        errors.append(f"train.blocks_to_swap={swap}: " + ("a count of blocks, 0 or more" if swap < 0 else
+                      f"model.family={cfg['model']['family']} has no transformer blocks to swap; set it to 0"))
+    elif swap and tc["network"] == "dora":
+        errors.append("train.network=dora with train.blocks_to_swap: DoRA reads the base weights of the swapped "
+                      "blocks directly; use train.network=lora, or train.blocks_to_swap=0")
+    stored = stored_as(cfg["model"])
+    if tc["network"] == "dora" and stored and stored != "int8":
+        # DoRA reads the base weight for its norm directly, past the stored base's autograd cast; peft
+        # dequantizes torchao's Int8Tensor there (dequantize_module_weight), not an fp8 or NF4 weight
+        key = f"model.quantize={cfg['model']['quantize']}" if cfg["model"].get("quantize", "none") != "none" else \
+            f"model.storage_dtype={cfg['model']['storage_dtype']}"
+        errors.append(f"train.network=dora with {key}: DoRA reads the base weights for its norm; keep the base in "
+                      "the compute dtype or use model.quantize=int8 (or train.network=lora)")
     return errors
 
 

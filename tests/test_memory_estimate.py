@@ -120,6 +120,29 @@ def test_flux_dev_at_1024(flux_dev_headers):
         any("train.gradient_checkpointing=true" in f for f in fits)
 
 
+def test_flux_dev_quantized_and_swapped(flux_dev_headers):
+    """model.quantize and train.blocks_to_swap in the estimate, and the settings a refusal names for a card."""
+    from diffusers import FluxTransformer2DModel
+
+    lists = ("transformer_blocks", "single_transformer_blocks")
+
+    def est(cfg):
+        return estimate(cfg, flux_dev_headers, "transformer", TARGETS, (1024, 1024), 512, FluxTransformer2DModel, lists)
+
+    ckpt = _cfg(gradient_checkpointing=True)
+    with_model = lambda **m: {**ckpt, "model": {**ckpt["model"], **m}}  # noqa: E731
+    bf16, int8, nf4 = est(ckpt), est(with_model(quantize="int8")), est(with_model(quantize="nf4"))
+    # the block Linears (all but 0.1 B of the 11.9 B) at 1 and ~0.52 bytes; the modulation linears stay bf16
+    assert int8["weights_gb"] < 0.75 * bf16["weights_gb"] and nf4["weights_gb"] < int8["weights_gb"] - 2
+    swap = est({**with_model(quantize="int8"), "train": {**ckpt["train"], "blocks_to_swap": 38}})
+    assert 4 < swap["host_gb"] and swap["weights_gb"] + swap["host_gb"] > int8["weights_gb"]  # + one layer in flight
+    assert bf16["host_gb"] == 0
+    fits = fitting_settings(_cfg(), 8.0, est, max_swap=57)
+    assert len(fits) == 1 and "train.blocks_to_swap=" in fits[0] and "model.quantize=" in fits[0], fits
+    with pytest.raises(ConfigError, match="this model has 57 transformer blocks"):
+        est({**ckpt, "train": {**ckpt["train"], "blocks_to_swap": 58}})
+
+
 def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers):
     from diffusers import FluxTransformer2DModel
 
@@ -162,7 +185,8 @@ def test_a_run_that_will_not_fit_names_the_settings(workspace):
         workspace.run("train.memory_limit_gb=0.0001")
     message = str(e.value)
     assert "will not fit in memory" in message and "train.memory_limit_gb" in message
-    assert "gradient_checkpointing" in message and "float8_e4m3fn" in message and "batch_size=1" in message
+    assert "gradient_checkpointing" in message and "model.quantize=fp8|int8|nf4" in message and "batch_size=1" in message
+    assert "train.blocks_to_swap (up to 2)" in message
 
 
 def test_the_report_carries_the_estimate(workspace):

@@ -137,6 +137,9 @@ class FamilyAdapter(ABC):
     # Their training_loss reads text["control_latents"] ([B, K, C, h, w]) and their sample takes `controls`.
     max_controls = 0
     min_control_side = 0  # the smallest control image (px a side) the pipeline takes
+    # train.blocks_to_swap: the denoiser's block lists, in the order they run (tasks/training/block_swap.py);
+    # () = none to swap (the UNets: the setting is refused)
+    swap_blocks: tuple[str, ...] = ()
     requires_controls = False  # the pipeline renders only from a control image (every pair and --i needs one)
     # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
     # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)

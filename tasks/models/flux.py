@@ -20,6 +20,7 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tok
 
 
 class FluxAdapter(TransformerAdapter):
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")  # train.blocks_to_swap, in run order
     family = "flux"
     pipeline_cls = LazyClass("diffusers", "FluxPipeline")
     denoiser_cls = LazyClass("diffusers", "FluxTransformer2DModel")

@@ -18,6 +18,7 @@ SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **SAFE)
 
 
 class Flux2Adapter(TransformerAdapter):
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")  # train.blocks_to_swap, in run order
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
     # Reference images (data.control_dirs, --i): the pipelines take a list; 4 here (BFL's guides give up to 10
     # for [dev] at high memory cost; the issue asks for several)

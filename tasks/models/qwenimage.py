@@ -17,6 +17,7 @@ _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 
 
 class QwenImageAdapter(TransformerAdapter):
+    swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     family = "qwenimage"
     pipeline_cls = LazyClass("diffusers", "QwenImagePipeline")
     denoiser_cls = LazyClass("diffusers", "QwenImageTransformer2DModel")

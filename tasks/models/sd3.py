@@ -16,6 +16,7 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None
 
 
 class SD3Adapter(TransformerAdapter):
+    swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     family = "sd3"
     pipeline_cls = LazyClass("diffusers", "StableDiffusion3Pipeline")
     denoiser_cls = LazyClass("diffusers", "SD3Transformer2DModel")

@@ -26,6 +26,7 @@ class _TextEncoders:
 
 
 class ZImageAdapter(TransformerAdapter):
+    swap_blocks = ("layers",)  # train.blocks_to_swap (the main layers; the refiners stay)
     family = "zimage"
     pipeline_cls = LazyClass("diffusers", "ZImagePipeline")
     denoiser_cls = LazyClass("diffusers", "ZImageTransformer2DModel")

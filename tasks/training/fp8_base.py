@@ -25,21 +25,29 @@ HOOK_NAME = "layerwise_casting"
 CASTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
+def upcast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stored weight in the compute dtype: fp8 cast, or a torchao tensor dequantized (quantized_base.py)."""
+    if type(weight).__name__ == "Int8Tensor":  # its .to keeps it int8
+        return weight.dequantize(dtype)
+    return weight.to(dtype)
+
+
 class _LinearFromStorage(torch.autograd.Function):
-    """y = x @ W^T + b with W stored low; saves W as stored (not its upcast copy); W and b take no grad."""
+    """y = x @ W^T + b with W stored low; saves W as stored (not its upcast copy); W and b take no grad. W may
+    live on the host (train.blocks_to_swap): copied to x's device for forward, and again for backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, compute_dtype):
         ctx.save_for_backward(weight)
         ctx.compute_dtype, ctx.x_dtype = compute_dtype, x.dtype
-        return F.linear(x, weight.to(compute_dtype), bias)
+        return F.linear(x, upcast(weight.to(x.device, non_blocking=True), compute_dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         (weight,) = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad_out @ weight.to(grad_out.dtype)).to(ctx.x_dtype)
+            grad_x = (grad_out @ upcast(weight.to(grad_out.device, non_blocking=True), grad_out.dtype)).to(ctx.x_dtype)
         return grad_x, None, None, None
 
 
@@ -51,7 +59,7 @@ class _ConvFromStorage(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.geometry = (x.shape, x.dtype, stride, padding, dilation, groups)
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[weight.dim()]
-        return conv(x, weight.to(compute_dtype), bias, stride, padding, dilation, groups)
+        return conv(x, weight.to(x.device, compute_dtype, non_blocking=True), bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -62,7 +70,8 @@ class _ConvFromStorage(torch.autograd.Function):
             shaped = grad_out.new_empty(1).expand(shape)  # convolution_backward reads only the input's shape
             n = weight.dim() - 2
             grad_x = torch.ops.aten.convolution_backward(
-                grad_out, shaped, weight.to(grad_out.dtype), None, stride, padding, dilation, False, [0] * n,
+                grad_out, shaped, weight.to(grad_out.device, grad_out.dtype, non_blocking=True), None, stride, padding,
+                dilation, False, [0] * n,
                 groups, (True, False, False))[0].to(x_dtype)
         return (grad_x,) + (None,) * 7
 
@@ -72,18 +81,20 @@ class StorageCastHook(ModelHook):
 
     _is_stateful = False
 
-    def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype):
+    def __init__(self, storage_dtype: torch.dtype | None, compute_dtype: torch.dtype):
         super().__init__()
         self.storage_dtype, self.compute_dtype = storage_dtype, compute_dtype
+        self.host_weight = None  # train.blocks_to_swap: the weight, held here on the host (block_swap.py)
 
     def initialize_hook(self, module):
-        module.weight.data = module.weight.data.to(self.storage_dtype)
+        if self.storage_dtype is not None:  # None: kept as it is (a swapped block's unstored layer)
+            module.weight.data = module.weight.data.to(self.storage_dtype)
         if module.bias is not None:  # small; kept in the compute dtype so forward adds it without a cast
             module.bias.data = module.bias.data.to(self.compute_dtype)
         return module
 
     def new_forward(self, module, x, *args, **kwargs):
-        weight, bias = module.weight, module.bias
+        weight, bias = module.weight if self.host_weight is None else self.host_weight, module.bias
         if isinstance(module, torch.nn.Linear):
             return _LinearFromStorage.apply(x, weight, bias, self.compute_dtype)
         if module.padding_mode != "zeros":  # pad outside the Function: autograd differentiates F.pad
@@ -100,7 +111,7 @@ def _castable(module: torch.nn.Module) -> bool:
     return isinstance(module, CASTABLE) and not isinstance(getattr(module, "padding", 0), str)
 
 
-def _skipped(path: str, skip_patterns: tuple[str, ...]) -> bool:
+def skipped(path: str, skip_patterns: tuple[str, ...]) -> bool:
     """diffusers' layerwise-casting rule: a pattern matching the module's path at any level skips it.
     peft's wrappers are transparent (`x.base_layer` is matched as `x`), and its adapter layers never cast."""
     parts = [p for p in path.split(".") if p != "base_layer"]
@@ -116,7 +127,7 @@ def store_base_low(model: torch.nn.Module, storage_dtype: torch.dtype, compute_d
     Returns the paths of the layers stored low."""
     stored = []
     for path, module in model.named_modules():
-        if not _castable(module) or module.weight.requires_grad or _skipped(path, skip_patterns):
+        if not _castable(module) or module.weight.requires_grad or skipped(path, skip_patterns):
             continue
         HookRegistry.check_if_exists_or_initialize(module).register_hook(
             StorageCastHook(storage_dtype, compute_dtype), HOOK_NAME)

@@ -10,11 +10,13 @@ measured. Transient buffers, the CUDA context and fragmentation are not in it: `
 real peak."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
 from pathlib import Path
 
+from tasks.config import stored_as
 from tasks.runtime import cuda_available
 
 GB = 1024 ** 3
@@ -27,8 +29,14 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8
 
 def _weights(folder: Path) -> dict[str, list[int]]:
     """Tensor name -> shape, from the safetensors headers of a model folder."""
+    files = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(folder).glob("*.safetensors")))
+    return _headers(files)
+
+
+@functools.lru_cache(maxsize=8)  # the remedies' search reads one model's headers many times (read-only)
+def _headers(files: tuple) -> dict[str, list[int]]:
     shapes = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    for file, _, _ in files:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
@@ -82,16 +90,53 @@ def stored_weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype:
     of the Linear/Conv layers (2+ dims; these denoisers have no nn.Embedding) are stored in it, except under a
     module whose name matches a skip pattern at any level of the path; biases and everything else stay in the
     compute dtype."""
+    return round(sum(weight_bytes(shapes, dtype, storage_dtype, skip_patterns).values()))
+
+
+def weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | None,
+                 skip_patterns: tuple[str, ...]) -> dict[str, float]:
+    """stored_weight_bytes, per weight."""
     if not storage_dtype:
-        return sum(_numel(s) for s in shapes.values()) * _BYTES[dtype]
+        return {n: _numel(s) * _BYTES[dtype] for n, s in shapes.items()}
+    quantized = storage_dtype in ("int8", "nf4")  # Linears only (quantized_base.py): 2-dim weights
 
     def stored_low(name: str, shape) -> bool:
-        if not name.endswith(".weight") or len(shape) < 2:
+        if not name.endswith(".weight") or len(shape) < 2 or (quantized and len(shape) != 2):
             return False
         parts = name.split(".")[:-1]
         return not any(re.search(p, ".".join(parts[:i])) for i in range(1, len(parts) + 1) for p in skip_patterns)
 
-    return sum(_numel(s) * _BYTES[storage_dtype if stored_low(n, s) else dtype] for n, s in shapes.items())
+    return {n: stored_bytes(_numel(s), storage_dtype) if stored_low(n, s) else _numel(s) * _BYTES[dtype]
+            for n, s in shapes.items()}
+
+
+def block_order(shapes: dict[str, list[int]], lists: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(list, index) of each block of the denoiser's block lists, in run order, from its weights' names."""
+    return [(name, i) for name in lists for i in sorted({int(k.split(".")[1]) for k in shapes
+                                                         if k.startswith(name + ".") and k.split(".")[1].isdigit()})]
+
+
+def swapped_weights(shapes: dict[str, list[int]], lists: tuple[str, ...], n: int) -> list[str]:
+    """The weights train.blocks_to_swap=n holds on the host: the Linear/Conv weights (2+ dims) of the last n
+    blocks of `lists` in run order (block_swap.py)."""
+    order = block_order(shapes, lists)
+    if n > len(order):
+        from tasks.config import ConfigError
+        raise ConfigError(f"train.blocks_to_swap={n}: this model has {len(order)} transformer blocks; swap "
+                          f"{len(order)} or fewer")
+    prefixes = tuple(f"{name}.{i}." for name, i in order[len(order) - n:]) if n else ()
+    return [k for k, s in shapes.items() if k.startswith(prefixes) and k.endswith(".weight") and len(s) >= 2] \
+        if prefixes else []
+
+
+def stored_bytes(numel: int, storage: str) -> float:
+    """Bytes of a weight of `numel` elements stored as `storage`: an fp8 dtype; int8 (1 a element, its per-row
+    scale aside); nf4 (half a byte, an int8 scaler per block of 64, an fp32 factor per 256 blocks)."""
+    if storage == "int8":
+        return float(numel)
+    if storage == "nf4":
+        return numel / 2 + numel / 64 + 4 * numel / (64 * 256)
+    return float(numel * _BYTES[storage])
 
 
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
@@ -117,15 +162,22 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -
 
 
 def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
-             text_tokens: int, denoiser_cls=None) -> dict:
+             text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = ()) -> dict:
     tc, mc = cfg["train"], cfg["model"]
     folder = Path(model_dir) / denoiser_folder
     config = json.loads((folder / "config.json").read_text())
     shapes = _weights(folder)
     params = sum(_numel(s) for s in shapes.values())
     # the skip patterns matter only with an fp8 base (and import diffusers: not for every no-op run)
-    skip = layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)) if mc["storage_dtype"] else ()
-    weight_bytes = stored_weight_bytes(shapes, mc["dtype"], mc["storage_dtype"], skip)
+    stored = stored_as(mc)
+    skip = layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)) if stored else ()
+    per_weight = weight_bytes(shapes, mc["dtype"], stored, skip)
+    # train.blocks_to_swap: those blocks' Linear/Conv weights wait on the host; one layer at a time is on the
+    # device (counted: the largest, in the compute dtype)
+    swapped = swapped_weights(shapes, swap_lists, tc.get("blocks_to_swap", 0)) if swap_lists else []
+    host_bytes = sum(per_weight[k] for k in swapped)
+    in_flight = max((_numel(shapes[k]) * _BYTES[mc["dtype"]] for k in swapped), default=0)
+    held_bytes = round(sum(per_weight.values()) - host_bytes + in_flight)
     lora = _lora_params(shapes, targets, tc["rank"])
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
@@ -139,9 +191,9 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
         activations = (blocks * CKPT_INPUT_FACTOR + RECOMPUTE_FACTOR) * unit
     else:
         activations = blocks * ACT_FACTOR * unit
-    total = weight_bytes + lora_bytes + activations
-    return {"params": params, "lora_params": lora, "weights_gb": weight_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
-            "activations_gb": activations / GB, "total_gb": total / GB}
+    total = held_bytes + lora_bytes + activations
+    return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
+            "activations_gb": activations / GB, "total_gb": total / GB, "host_gb": host_bytes / GB}
 
 
 def available_gb() -> tuple[float, str]:
@@ -160,33 +212,48 @@ def available_gb() -> tuple[float, str]:
 
 
 _OPTIMIZER_BYTES = {"adamw8bit": 2, "lion8bit": 1, "prodigy": 16, "adafactor": 1}
-# What a user can change, in the order people try them.
+# What a user can change, in the order people try them (each alone first).
 REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpointing"), True),
             ("train.optimizer=adamw8bit", ("train", "optimizer"), "adamw8bit"),
-            ("model.storage_dtype=float8_e4m3fn", ("model", "storage_dtype"), "float8_e4m3fn"),
-            ("model.storage_modulation=true", ("model", "storage_modulation"), True),
+            ("model.quantize=fp8", ("model", "quantize"), "fp8"),
+            ("model.quantize=int8", ("model", "quantize"), "int8"),
+            ("model.quantize=nf4", ("model", "quantize"), "nf4"),
             ("train.batch_size=1", ("train", "batch_size"), 1))
+_QUANTIZE = ("fp8", "int8", "nf4")
 
 
-def fitting_settings(cfg: dict, budget_gb: float, estimate_fn) -> list[str]:
-    """The remedies (alone, then all applicable together) whose estimate fits the budget."""
-    def with_changes(changes):
-        new = {**cfg, "train": dict(cfg["train"]), "model": dict(cfg["model"])}
-        for _, (section, key), value in changes:
-            new[section][key] = value
-        return new
+def _with(cfg: dict, changes: list[tuple]) -> dict:
+    new = {**cfg, "train": dict(cfg["train"]), "model": dict(cfg["model"])}
+    for _, (section, key), value in changes:
+        new[section][key] = value
+        if key == "quantize":  # one way to store the base (validate refuses both)
+            new["model"]["storage_dtype"] = None
+    return new
 
-    open_ = [r for r in REMEDIES if cfg[r[1][0]].get(r[1][1]) != r[2]]
+
+def fitting_settings(cfg: dict, budget_gb: float, estimate_fn, max_swap: int = 0) -> list[str]:
+    """What would fit the budget: each remedy alone that does; else checkpointing + 8-bit AdamW with the fewest
+    blocks swapped (up to `max_swap`) and, at that count, the least quantized base (as is, fp8, int8, nf4)."""
+    open_ = [r for r in REMEDIES if cfg[r[1][0]].get(r[1][1]) != r[2] and not (
+        r[1][1] == "quantize" and stored_as(cfg["model"]) in ("int8", "nf4") and r[2] == "fp8")]
     fits = []
     for r in open_:
-        gb = estimate_fn(with_changes([r]))["total_gb"]
+        gb = estimate_fn(_with(cfg, [r]))["total_gb"]
         if gb <= budget_gb:
             fits.append(f"{r[0]} ({gb:.1f} GiB)")
-    if not fits and open_:
-        together = estimate_fn(with_changes(open_))["total_gb"]
-        if together <= budget_gb:
-            fits.append(" + ".join(r[0] for r in open_) + f" together ({together:.1f} GiB)")
-    return fits
+    if fits:
+        return fits
+    base = [r for r in open_ if r[1][1] in ("gradient_checkpointing", "optimizer")]
+    stores = [[]] + [[r] for r in open_ if r[1][1] == "quantize"]
+    for swap in range(0, max_swap + 1):  # the fewest blocks swapped (each costs a copy a step), then the
+        for store in stores:              # least quantized base
+            changes = base + store + ([(f"train.blocks_to_swap={swap}", ("train", "blocks_to_swap"), swap)] if swap else [])
+            if not changes:
+                continue
+            gb = estimate_fn(_with(cfg, changes))["total_gb"]
+            if gb <= budget_gb:
+                return [" ".join(c[0] for c in changes) + f" ({gb:.1f} GiB)"]
+    return []
 
 
 def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
@@ -197,19 +264,20 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
 
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
-                        c["model"]["max_sequence_length"], adapter.denoiser_cls if c["model"]["storage_dtype"] else None)
+                        c["model"]["max_sequence_length"], adapter.denoiser_cls if stored_as(c["model"]) else None,
+                        adapter.swap_blocks)
 
     est = estimate_for(cfg)
     limit = cfg["train"]["memory_limit_gb"]
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
     if est["total_gb"] > budget:
-        fits = fitting_settings(cfg, budget, estimate_for)
-        hint = ("would fit: " + "; ".join(fits)) if fits else ("nothing in train.gradient_checkpointing, "
-                                                               "train.optimizer=adamw8bit, model.storage_dtype=float8_e4m3fn (with "
-                                                               "model.storage_modulation=true) or "
-                                                               "train.batch_size=1 fits: use a smaller data.resolution or a "
-                                                               "bigger device")
+        blocks = len(block_order(_weights(Path(adapter.model_dir) / adapter.denoiser_subfolder), adapter.swap_blocks))
+        fits = fitting_settings(cfg, budget, estimate_for, blocks)
+        hint = ("would fit: " + "; ".join(fits)) if fits else (
+            "nothing in train.gradient_checkpointing, train.optimizer=adamw8bit, model.quantize=fp8|int8|nf4, "
+            f"train.blocks_to_swap (up to {blocks}) or train.batch_size=1 fits: use a smaller data.resolution or a "
+            "bigger device")
         raise ConfigError(
             f"training will not fit in memory: about {est['total_gb']:.1f} GiB needed (weights {est['weights_gb']:.1f}, "
             f"LoRA + optimizer {est['lora_and_optimizer_gb']:.2f}, activations {est['activations_gb']:.1f} at "

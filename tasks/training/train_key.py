@@ -9,6 +9,7 @@ from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of, key_of_hex
 from tasks.models import adapter_class
 from tasks.runtime import runtime
+from tasks.config import stored_as
 
 FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
 
@@ -19,7 +20,8 @@ _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_ste
 # Settings that change nothing the node stores (where the loss curve is logged).
 # validate_every_n_steps changes no weight: the validation losses are stored with the LoRA as computed.
 _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port",  # (every machine: one key)
-            "validate_every_n_steps")
+            "validate_every_n_steps",
+            "blocks_to_swap")  # where weights wait between uses: the same LoRA bytes (tests/test_block_swap.py)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
@@ -110,9 +112,11 @@ def _loss_scaling(cfg: dict) -> dict:
 def _modulation(cfg: dict) -> dict:
     # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
     # LoRA bytes changed with tasks/training/fp8_base.py (the autograd-safe cast replaced layerwise casting).
-    if not cfg["model"]["storage_dtype"]:
+    quantize = cfg["model"].get("quantize", "none")
+    if not stored_as(cfg["model"]):
         return {}
-    return {"fp8_base": FP8_BASE_VERSION, **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
+    return {"fp8_base": FP8_BASE_VERSION, **({"quantize": quantize} if quantize != "none" else {}),
+            **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
 
 
 def _sampling(cfg: dict) -> dict:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from tasks.config import stored_as
 from tasks.lazy import lazy
 from tasks.models import lycoris
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
@@ -110,15 +111,26 @@ def prepare_denoiser(adapter, cfg: dict):
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()
-    if cfg["model"]["storage_dtype"]:
+    stored = stored_as(cfg["model"])
+    skip = layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)) if stored else ()
+    if stored in ("int8", "nf4"):
+        # model.quantize: torchao's int8 / NF4 tensors as the frozen weights, dequantized inside the same
+        # autograd Function (tasks/training/quantized_base.py); the same layers as the fp8 base
+        from tasks.training.quantized_base import quantize_base
+
+        quantize_base(denoiser, stored, adapter.dtype, skip)
+    elif stored:
         # The frozen base weights stored in fp8, each cast to the compute dtype inside an autograd Function
         # that saves only the fp8 weight (tasks/training/fp8_base.py). Embeddings and norms keep the compute dtype (no
         # fp8 index_select), the AdaLN modulation linears too unless model.storage_modulation. Applied after
         # peft wrapped the layers, so the LoRA layers' initial weights never pass through fp8.
         from tasks.training.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
 
-        store_base_low(denoiser, getattr(torch, cfg["model"]["storage_dtype"]), adapter.dtype,
-                       layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)))
+        store_base_low(denoiser, getattr(torch, stored), adapter.dtype, skip)
+    if tc.get("blocks_to_swap"):
+        from tasks.training.block_swap import swap_blocks
+
+        swap_blocks(denoiser, adapter.swap_blocks, tc["blocks_to_swap"], adapter.dtype)
     if tc["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
     return denoiser, named

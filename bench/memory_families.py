@@ -1,0 +1,260 @@
+"""Memory of the big bases with `model.quantize` and `train.blocks_to_swap`: rows `<model>:<options>` of
+`python -m bench.memory` (contract), FLUX.1-dev, Qwen-Image (20.4 B) and FLUX.2 [dev] (32.2 B) at their real
+configs, 1024x1024, 512 text tokens, rank 16 on each family's default targets, AdamW, bf16 autocast.
+
+    python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]
+
+Options: `bf16` | `fp8` | `int8` | `nf4` (the base as stored), `+ckpt` (gradient checkpointing), `+swapN`
+(train.blocks_to_swap=N). Per row:
+- measured_gib: what the device holds during a step: the weights that stay (each quantized Linear's bytes
+  are those of torchao's own tensor of that shape, quantized here from real random weights; the fp8 and bf16
+  ones their element size), the largest swapped layer in flight in bf16, LoRA + gradients + AdamW, and the
+  activations of a real forward and backward of the whole model at this width and these token counts, seen
+  through saved_tensors_hooks under FakeTensorMode (bench/memory.py's method; activations do not depend on
+  how the base is stored: every storage path saves its weight, a parameter, not an activation).
+- preflight_gib: tasks.training.memory.estimate for the same settings, as the validate node computes it.
+- host_gib: the swapped blocks' stored weights, held in host memory."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GIB = 1 << 30
+ROWS = ("flux_dev:nf4+ckpt", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
+        "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
+        "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16")
+
+
+def _models() -> dict:
+    from bench.gpu import FLUX_DEV
+
+    # (adapter, denoiser class, config): the class defaults are Qwen/Qwen-Image's and FLUX.2-dev's configs
+    return {"flux_dev": ("tasks.models.flux:FluxAdapter", "FluxTransformer2DModel", FLUX_DEV),
+            "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "QwenImageTransformer2DModel", {}),
+            "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "Flux2Transformer2DModel", {})}
+
+
+def parse(options: str) -> dict:
+    parts = options.split("+")
+    swap = next((int(p[4:]) for p in parts if re.fullmatch(r"swap\d+", p)), 0)
+    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap}
+
+
+def _adapter(model: str, device):
+    import importlib
+
+    import diffusers
+    import torch
+
+    ref, cls_name, arch = _models()[model]
+    module, name = ref.split(":")
+    base = getattr(importlib.import_module(module), name)
+    cls = getattr(diffusers, cls_name)
+
+    class Random(base):
+        def load_denoiser(self):  # random bf16 weights on `device` (meta: shapes only); no file
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device(device):
+                    return cls(**arch)
+            finally:
+                torch.set_default_dtype(previous)
+
+    return Random(HERE, "bfloat16"), cls, arch
+
+
+def _inputs(model: str, config: dict, resolution: int, text_len: int):
+    import torch
+
+    def z(*shape):
+        return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    if model == "flux_dev":
+        from bench.gpu import inputs
+
+        return inputs(config, resolution, text_len, 1, torch.device("cpu"))
+    if model == "qwenimage":  # 16-channel /8 latents, packed 2x2 by the adapter; Qwen2.5-VL states and mask
+        return z(1, 16, resolution // 8, resolution // 8), {
+            "prompt_embeds": z(1, text_len, config["joint_attention_dim"]),
+            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}
+    # FLUX.2: the VAE's 32 channels patchified 2x2 (128 at /16); Mistral's three stacked states
+    return z(1, config["in_channels"], resolution // 16, resolution // 16), {
+        "prompt_embeds": z(1, text_len, config["joint_attention_dim"])}
+
+
+def _cfg(opts: dict, text_len: int, rank: int) -> dict:
+    store = opts["store"]
+    return {"model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
+                      "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
+            "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
+                      "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"]}}
+
+
+def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int) -> dict:
+    """LoRA parameters, their gradients' bytes and the activations of one bf16 step (fake tensors)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bench.gpu import TRAIN_CFG
+    from bench.memory import SavedTensors, _to_fake
+    from tasks.training.train_setup import prepare_denoiser
+
+    adapter, _, _ = _adapter(model, torch.device("meta"))
+    den, named = prepare_denoiser(adapter, _cfg({"store": "bf16", "ckpt": ckpt, "swap": 0}, text_len, rank))
+    den.train()
+    scheduler = FlowMatchEulerDiscreteScheduler()  # real tensors: made outside the fake mode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = _to_fake(den, list(named.values()), mode)
+    with mode:
+        latents, text = _inputs(model, dict(den.config), resolution, text_len)
+        counter = SavedTensors(den)
+        with counter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = adapter.training_loss(den, latents, text, TRAIN_CFG, scheduler, [torch.Generator().manual_seed(0)])
+        with counter.recompute_hooks():
+            loss.backward()
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        out = {"lora_params": sum(p.numel() for p in params), "lora_grad_bytes": grads,
+               "activation_bytes": counter.total + max(counter.recomputes, default=0)}
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_bytes(shape: tuple, store: str) -> int:
+    """Bytes of torchao's tensor for a bf16 weight of this shape (real random values, quantized here)."""
+    import torch
+
+    from tasks.training.block_swap import stored_nbytes
+    from tasks.training.quantized_base import quantize_weight
+
+    q = quantize_weight(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16), store)
+    return stored_nbytes(q) if q is not None else 2 * torch.Size(shape).numel()
+
+
+def weights(model: str, opts: dict) -> dict:
+    """(device bytes, host bytes) of the base weights as training holds them with these options."""
+    import torch
+
+    from tasks.training.block_swap import blocks
+    from tasks.training.fp8_base import CASTABLE, skipped
+    from tasks.training.memory import layerwise_skip_patterns
+
+    adapter, cls, _ = _adapter(model, torch.device("meta"))
+    den = adapter.load_denoiser()
+    store, skip = opts["store"], layerwise_skip_patterns(cls, False)
+    swapped = {id(m) for b in blocks(den, adapter.swap_blocks)[len(blocks(den, adapter.swap_blocks)) - opts["swap"]:]
+               for m in b.modules()} if opts["swap"] else set()
+    device = host = in_flight = 0
+    for path, module in den.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            size = p.numel() * 2
+            if name == "weight" and isinstance(module, CASTABLE) and not skipped(path, skip):
+                if store in ("int8", "nf4") and isinstance(module, torch.nn.Linear):
+                    size = _stored_bytes(tuple(p.shape), store)
+                elif store == "fp8":
+                    size = p.numel()
+            if name == "weight" and isinstance(module, CASTABLE) and id(module) in swapped:
+                host += size
+                in_flight = max(in_flight, p.numel() * 2)
+            else:
+                device += size
+    return {"device": device + in_flight, "host": host}
+
+
+def _headers(model: str, folder: Path) -> Path:
+    import torch
+
+    adapter, _, _ = _adapter(model, torch.device("meta"))
+    den = adapter.load_denoiser()
+    sub = folder / model / "transformer"
+    sub.mkdir(parents=True, exist_ok=True)
+    (sub / "config.json").write_text(json.dumps(dict(den.config), default=list))
+    header, offset = {}, 0
+    for name, t in den.state_dict().items():
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel() * 2]}
+        offset += t.numel() * 2
+    raw = json.dumps(header).encode()
+    (sub / "diffusion_pytorch_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    return sub.parent
+
+
+def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
+        acts: dict | None = None) -> dict:
+    import torch
+
+    from tasks.training.memory import estimate, lora_targets
+
+    t0 = time.perf_counter()
+    model, options = name.split(":")
+    opts = parse(options)
+    a = acts or activations(model, opts["ckpt"], resolution, text_len, rank)
+    w = weights(model, opts)
+    lora_bytes = a["lora_params"] * (4 + 8) + a["lora_grad_bytes"]  # fp32 weights, AdamW's moments, grads
+    measured = w["device"] + lora_bytes + a["activation_bytes"]
+    adapter, cls, _ = _adapter(model, torch.device("meta"))
+    cfg = _cfg(opts, text_len, rank)
+    est = estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
+                   (resolution, resolution), text_len, cls, adapter.swap_blocks)
+    return {"name": name, "measured_gib": measured / GIB, "preflight_gib": est["total_gb"],
+            "host_gib": w["host"] / GIB, "preflight_host_gib": est["host_gb"],
+            "estimate_error": est["total_gb"] / (measured / GIB) - 1, "weights_gib": w["device"] / GIB,
+            "preflight_weights_gib": est["weights_gb"], "activations_gib": a["activation_bytes"] / GIB,
+            "preflight_activations_gib": est["activations_gb"], "lora_params": a["lora_params"],
+            "resolution": resolution, "text_tokens": text_len, "rank": rank, "seconds": time.perf_counter() - t0}
+
+
+def rows(names, folder: Path, **kw) -> list[dict]:
+    """Each row, the activations measured once per (model, checkpointing)."""
+    memo, out = {}, []
+    for name in names:
+        model, options = name.split(":")
+        key = (model, parse(options)["ckpt"])
+        if key not in memo:
+            memo[key] = activations(model, key[1], kw.get("resolution", 1024), kw.get("text_len", 512), kw.get("rank", 16))
+        out.append(row(name, folder, acts=memo[key], **kw))
+        r = out[-1]
+        print(f"  {name:<28} measured {r['measured_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} GiB "
+              f"({r['estimate_error'] * 100:+.1f} %)  host {r['host_gib']:5.2f} GiB  {r['seconds']:.1f} s", flush=True)
+    with contextlib.suppress(Exception):
+        _stored_bytes.cache_clear()
+    return out
+
+
+GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24}  # GiB: the issue's goals for some row of each
+
+
+def table(rows_: list[dict]) -> str:
+    lines = ["| config | weights on the device | activations | measured | preflight | error | host (swap) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows_:
+        lines.append(f"| {r['name']} | {r['weights_gib']:.2f} | {r['activations_gib']:.2f} | {r['measured_gib']:.2f} | "
+                     f"{r['preflight_gib']:.2f} | {r['estimate_error'] * 100:+.1f} % | {r['host_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(out: Path, only: str | None) -> int:
+    """The rows (all, or `only`'s with a colon) merged by name into `out`'s configs; goals per model."""
+    import tempfile
+
+    names = [n for n in only.split(",") if ":" in n] if only else list(ROWS)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        new = rows(names, Path(tmp))
+    doc = json.loads(out.read_text()) if out.exists() else {"configs": []}
+    kept = [{"host_gib": 0.0, **r} for r in doc.get("configs", []) if r["name"] not in {n["name"] for n in new}]
+    doc["configs"] = kept + new
+    every = [r for r in doc["configs"] if ":" in r["name"]]
+    doc["family_goals"] = {m: {"limit_gib": g, "best": min((r for r in every if r["name"].startswith(m + ":")),
+                                                           key=lambda r: r["measured_gib"], default={}).get("name"),
+                               "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
+                           for m, g in GOALS.items()}
+    doc["families_seconds"] = time.perf_counter() - t0
+    out.write_text(json.dumps(doc, indent=1, default=list))
+    print("\n" + table(every) + f"\n\nwrote {out} in {doc['families_seconds']:.0f} s")
+    return 0

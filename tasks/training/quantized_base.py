@@ -1,0 +1,73 @@
+"""A quantized frozen base for training (`model.quantize=int8|nf4`), stored by torchao:
+
+- int8: torchao's `Int8Tensor` per output row, symmetric (Int8WeightOnlyConfig's default granularity, PerRow);
+- nf4: torchao's `NF4Tensor` (QLoRA's 4-bit NormalFloat with double-quantized block scales: blocks of 64,
+  scaler blocks of 256 or the largest power of two that divides the count; torchtune's QLoRA uses it).
+
+The quantized tensor replaces each frozen Linear's weight (a Parameter without grad), and the Linear runs
+through fp8_base's autograd Function, which saves only the stored tensor and dequantizes it in forward and
+again in backward: the compute-dtype copy lives for one layer. So the gradients are those through an upcast
+copy of the same quantized weights (tests/test_quantized_base.py). Applied after peft wrapped the layers: the
+LoRA (LoKr, LoHa, DoRA) trains in fp32 on top, and embeddings, norms, biases and what fp8_base's skip patterns
+name stay in the compute dtype. Convolutions (the UNets') are not quantized; nor is a Linear whose size is not
+a multiple of NF4's block (none in the real models; some in the tiny ones). `model.quantize=fp8` is
+fp8_base.py's plain cast (sd-scripts' --fp8_base numbers: torchao's fp8 weight-only adds per-row scales and
+dispatches to a scaled matmul, another set of numbers)."""
+from __future__ import annotations
+
+import torch
+from diffusers.hooks import HookRegistry
+
+from tasks.training.fp8_base import HOOK_NAME, StorageCastHook, skipped
+
+KINDS = ("none", "fp8", "int8", "nf4")
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+
+
+def quantize_weight(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """The stored form of a frozen weight, or None where the kind cannot hold it (NF4's block)."""
+    if kind == "int8":
+        from torchao.quantization import Int8Tensor, PerRow
+
+        return Int8Tensor.from_hp(weight, PerRow())
+    if kind == "nf4":
+        from torchao.quantization import to_nf4
+
+        blocks = weight.numel() // NF4_BLOCK
+        if weight.numel() % NF4_BLOCK:
+            return None
+        scaler = next(s for s in (NF4_SCALER_BLOCK >> i for i in range(9)) if blocks % s == 0)
+        return to_nf4(weight, NF4_BLOCK, scaler)
+    raise ValueError(f"model.quantize={kind!r}: choose one of {', '.join(KINDS)}")
+
+
+class QuantizedHook(StorageCastHook):
+    """fp8_base's hook with a torchao tensor as the stored weight."""
+
+    def __init__(self, stored: torch.Tensor, compute_dtype: torch.dtype):
+        super().__init__(None, compute_dtype)
+        self.stored = stored
+
+    def initialize_hook(self, module):
+        module.weight = torch.nn.Parameter(self.stored, requires_grad=False)
+        self.stored = None  # the module holds it
+        if module.bias is not None:
+            module.bias.data = module.bias.data.to(self.compute_dtype)
+        return module
+
+
+def quantize_base(model: torch.nn.Module, kind: str, compute_dtype: torch.dtype,
+                  skip_patterns: tuple[str, ...]) -> dict[str, list[str]]:
+    """Stores every frozen Linear of `model` not matched by `skip_patterns` as `kind`. Returns {"quantized":
+    paths, "kept": paths of the Linears the kind cannot hold}."""
+    out = {"quantized": [], "kept": []}
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module.weight.requires_grad or skipped(path, skip_patterns):
+            continue
+        stored = quantize_weight(module.weight.data.to(compute_dtype), kind)
+        if stored is None:
+            out["kept"].append(path)
+            continue
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(QuantizedHook(stored, compute_dtype), HOOK_NAME)
+        out["quantized"].append(path)
+    return out
