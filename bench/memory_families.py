@@ -227,6 +227,32 @@ def rows(names, folder: Path, **kw) -> list[dict]:
 
 
 GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24}  # GiB: the issue's goals for some row of each
+CARDS = (12, 16, 24, 48, 80)  # GB on the box
+MARGIN_GIB = 1.0  # CUDA context and allocator: an H200's peaks were 0.46-0.47 GiB above bench.memory's figures
+LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt")  # the least change first
+
+
+def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16) -> str:
+    """The first setting whose preflight estimate leaves MARGIN_GIB free on a card of `card_gb` GB (1e9 bytes:
+    cards are sold in GB): the ladder, then NF4 with the fewest blocks swapped."""
+    import torch
+
+    from tasks.training.memory import block_order, estimate, lora_targets, _weights
+
+    adapter, cls, _ = _adapter(model, torch.device("meta"))
+    head = _headers(model, folder)
+    budget = card_gb * 1e9 / GIB - MARGIN_GIB
+
+    def total(options):
+        cfg = _cfg(parse(options), text_len, rank)
+        return estimate(cfg, head, "transformer", lora_targets(cfg["train"], adapter), (resolution, resolution),
+                        text_len, cls, adapter.swap_blocks)["total_gb"]
+
+    n_blocks = len(block_order(_weights(head / "transformer"), adapter.swap_blocks))
+    for options in [*LADDER, *(f"nf4+ckpt+swap{n}" for n in range(1, n_blocks + 1))]:
+        if (gb := total(options)) <= budget:
+            return f"{options} ({gb:.1f} GiB)"
+    return "does not fit"
 
 
 def table(rows_: list[dict]) -> str:
@@ -254,7 +280,11 @@ def main(out: Path, only: str | None) -> int:
                                                            key=lambda r: r["measured_gib"], default={}).get("name"),
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
                            for m, g in GOALS.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in GOALS}
     doc["families_seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(doc, indent=1, default=list))
-    print("\n" + table(every) + f"\n\nwrote {out} in {doc['families_seconds']:.0f} s")
+    cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["cards"].items())
+    head = "| model | " + " | ".join(f"{c} GB" for c in CARDS) + " |\n" + "|---" * (len(CARDS) + 1) + "|\n"
+    print("\n" + table(every) + "\n\n" + head + cards + f"\n\nwrote {out} in {doc['families_seconds']:.0f} s")
     return 0
