@@ -27,7 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev")
+FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
+            "flux2_dev")
 # name -> overrides: each memory option a user of one GPU would pick (train.num_processes stays 1 = the GPUs
 # of the lent machine; model.dtype=float16 trains under accelerate's fp16 loss scaling, tasks/training/train_setup.py)
 VARIANTS = {
@@ -43,6 +44,14 @@ VARIANTS = {
     # prompt with --i (bench/edit_prompts.txt)
     "edit+bf16": ["train.mixed_precision=bf16", f"data.control_dirs=[{REPO / 'data' / 'demo'}]",
                   f"sample.prompts_file={HERE / 'edit_prompts.txt'}"],
+    # Qwen-Image-Edit: every sample prompt needs its image (--i)
+    "edit-all+bf16": ["train.mixed_precision=bf16", f"data.control_dirs=[{REPO / 'data' / 'demo'}]",
+                      f"sample.prompts_file={HERE / 'edit_prompts_all.txt'}"],
+    # big bases (model.quantize, train.blocks_to_swap; the swap for the transformer families only)
+    "nf4+ckpt": ["model.quantize=nf4", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                 "train.gradient_checkpointing=true"],
+    "int8+swap1+ckpt": ["model.quantize=int8", "model.dtype=bfloat16", "train.blocks_to_swap=1",
+                        "train.mixed_precision=bf16", "train.gradient_checkpointing=true"],
 }
 COMMON = ["data.resolution=64", "train.max_steps=20", "train.log_every=5", "train.batch_size=2", "sample.steps=4"]
 

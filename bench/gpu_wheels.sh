@@ -3,7 +3,7 @@
 # tokenizers, huggingface_hub, accelerate, safetensors, numpy, pillow ... already there: the device tool's
 # KINDS.md lists them). Run here, in the repository root; then carry .whl to the device machine (bench/README.md).
 # Everything fits the device tool's 64 MiB with the working tree: bitsandbytes is slimmed to its CUDA 13.0
-# library (the image's torch is cu130), and antlr4 (an sdist only) is built here.
+# library (the image's torch is cu130), torchao to its Python code, and antlr4 (an sdist only) is built here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -23,5 +23,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 (cd "$tmp" && mkdir x && cd x && unzip -q ../bitsandbytes-*.whl \
   && find bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cuda130.so' ! -name '*_cpu.so' -delete \
   && zip -qr "$root/.whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl" .)
+rm -rf "$tmp"
+# torchao (model.quantize=int8|nf4): loraflow uses its Python tensors (Int8Tensor, NF4Tensor) only; its CUDA
+# extension libraries (40 MB) are left out so .whl still fits
+tmp=$(mktemp -d)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+  -d "$tmp" torchao==0.18.0
+(cd "$tmp" && mkdir x && cd x && unzip -q ../torchao-*.whl && find torchao -name '*.so' -delete \
+  && zip -qr "$root/.whl/torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl" .)
 rm -rf "$tmp"
 du -sh .whl

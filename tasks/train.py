@@ -223,6 +223,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         by_name = {it["name"]: it for it in plan["items"]}
         val_texts = copy.copy(texts)  # the same encoders (fresh draws), its own memo
         val_texts.items, val_texts.memo = [by_name[n] for n in held], _Memo(MEMO_ITEMS)
+        val_controls = validation.held_controls(store, cache_latents.KIND, plan["items"], control_keys, held)
     if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
         start = latest_checkpoint(store, trajectory, tc["max_steps"], discard=main)
     if start:
@@ -323,7 +324,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         if sampler.due(step) and main:
             sampler(step, denoiser, checkpoint_key(trajectory, step))
         if held and main and validation.due(step, tc["validate_every_n_steps"], tc["max_steps"]):
-            value = validation.score(adapter, denoiser, accelerator, held, val_latents, val_texts, tc, scheduler)
+            value = validation.score(adapter, denoiser, accelerator, held, val_latents, val_texts, tc, scheduler,
+                                     val_controls)
             val_losses.append({"step": step, "loss": value})
             accelerator.log({"validation_loss": value}, step=step)
             log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,

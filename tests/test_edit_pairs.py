@@ -172,3 +172,22 @@ def test_lora_files_load_in_the_kontext_pipeline(pairs):
     # the kohya file is Flux's (BFL names, export._RULES["flux"]): diffusers' converter of it assumes FLUX.1's
     # widths, so at tiny width it is Flux's case (docs/lora-files.md), not read here
     assert np.abs(render(files["diffusers"]) - render(None)).max() > 0
+
+
+def test_held_out_pairs_are_scored_with_their_controls(pairs, monkeypatch):
+    """data.validation_split with edit pairs: a held-out pair's validation loss reads its control latents."""
+    from tasks.training import validation
+
+    seen = []
+    score = validation.score
+
+    def spy(*args, **kw):
+        seen.append(args[-1] if len(args) > 8 else kw.get("controls"))
+        return score(*args, **kw)
+    monkeypatch.setattr(validation, "score", spy)
+    store = Store(pairs / "store")
+    cfg = _cfg(pairs, f"data.control_dirs=[{pairs / 'ctrl'}]", "data.validation_split=0.25")
+    assert not validate.config_errors(cfg)
+    _, _, _, lora, _ = _run(cfg, store)
+    assert seen and all(len(c) == 1 and len(c[0]) == 1 for c in seen)  # one held-out pair, one control each
+    assert lora["validation_loss"] and all(np.isfinite(v["loss"]) for v in lora["validation_loss"])

@@ -41,9 +41,6 @@ def errors(dc: dict, family: str, adapter_cls) -> list[str]:
     if dc.get("flip_aug") and adapter_cls.text_sees_controls:  # a twin's text would need its mirrored controls
         out.append(f"data.flip_aug with model.family={family}: its prompt embedding sees the control image, which "
                    "a flip would change; set data.flip_aug=false")
-    if dirs and dc.get("validation_split"):  # tasks/training/validation.py scores without the control latents
-        out.append("data.validation_split with data.control_dirs: the validation loss does not read control "
-                   "images yet; set data.validation_split=0")
     return out
 
 

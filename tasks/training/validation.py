@@ -58,12 +58,20 @@ def errors(cfg: dict) -> list[str]:
     return out
 
 
-def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: dict, scheduler) -> float:
+def held_controls(store, kind: str, items: list[dict], control_keys: list[list[str]], held: list[str]) -> list[list]:
+    """Each held-out item's control latents (edit pairs; [] without), in `held`'s order."""
+    keys = {it["name"]: ks for it, ks in zip(items, control_keys)}
+    return [[store.get_tensors(kind, k)["latents"] for k in keys[n]] for n in held]
+
+
+def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: dict, scheduler,
+          controls: list[list] | None = None) -> float:
     """The mean loss over the held-out items and their DRAWS fixed draws, with the current LoRA. No global
     RNG is used and the model is put back in its mode: the training trajectory is unchanged.
 
     `latents[i]` / `texts.get(i, step, generator)`: the held-out item i's stored latent and caption (the
-    caption chosen with its own fixed generator, at the last step: past any token warm-up)."""
+    caption chosen with its own fixed generator, at the last step: past any token warm-up); `controls[i]`: its
+    control latents (edit pairs), beside it as in training."""
     was_training = denoiser.training
     denoiser.eval()  # no dropout (which would draw from the global RNG)
     losses = []
@@ -76,6 +84,8 @@ def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: 
                 text = {k: torch.stack([c[k] for c in captions]) for k in captions[0]}
                 text.update({k: torch.stack([v] * len(gens)) for k, v in stored.items() if k != "latents"})
                 batch = torch.stack([stored["latents"]] * len(gens)).to(accelerator.device, adapter.dtype)
+                if controls and controls[i]:  # [draws, K, C, h, w], as training batches them
+                    text["control_latents"] = torch.stack([torch.stack(controls[i])] * len(gens))
                 text = {k: v.to(accelerator.device) for k, v in text.items()}
                 with accelerator.autocast():
                     loss = adapter.training_loss(denoiser, batch, text, tc, scheduler, gens)
