@@ -124,7 +124,7 @@ def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, m
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.gpu import TRAIN_CFG, build, inputs
+    from bench.gpu import build, inputs
 
     cpu = torch.device("cpu")
     scheduler = FlowMatchEulerDiscreteScheduler()
@@ -140,16 +140,25 @@ def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, m
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if _key(p) not in lora)
         lora_params = sum(p.numel() for p in params)
         latents, text = inputs(arch, resolution, text_len, 1, cpu)
-        counter = SavedTensors(model)
-        with counter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, [torch.Generator().manual_seed(0)])
-        with counter.recompute_hooks():
-            loss.backward()
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        saved, recompute = counter.total, max(counter.recomputes, default=0)
-        del model, params, latents, text, loss, counter
+        grads, saved, recompute = count_step(adapter, model, params, latents, text, scheduler)
+        del model, params, latents, text
     return {"weights_bytes": weights, "lora_params": lora_params, "lora_grad_bytes": grads,
             "saved_bytes": saved, "recompute_bytes": recompute, "activation_bytes": saved + recompute}
+
+
+def count_step(adapter, model, params, latents, text, scheduler) -> tuple[int, int, int]:
+    """(LoRA gradient bytes, bytes autograd saves, the largest recompute's) of one bf16-autocast step."""
+    import torch
+
+    from bench.gpu import TRAIN_CFG
+
+    counter = SavedTensors(model)
+    with counter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, [torch.Generator().manual_seed(0)])
+    with counter.recompute_hooks():
+        loss.backward()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return grads, counter.total, max(counter.recomputes, default=0)
 
 
 def write_headers(folder: Path, arch: dict) -> Path:
@@ -160,6 +169,11 @@ def write_headers(folder: Path, arch: dict) -> Path:
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**arch)
+    return model_headers(model, Path(folder))
+
+
+def model_headers(model, folder: Path) -> Path:
+    """`folder`/transformer: the model's config.json and a header-only safetensors file of its bf16 shapes."""
     sub = Path(folder) / "transformer"
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "config.json").write_text(json.dumps(dict(model.config), default=list))

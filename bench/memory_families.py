@@ -102,8 +102,7 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.gpu import TRAIN_CFG
-    from bench.memory import SavedTensors, _to_fake
+    from bench.memory import _to_fake, count_step
     from tasks.training.train_setup import prepare_denoiser
 
     adapter, _, _ = _adapter(model, torch.device("meta"))
@@ -114,14 +113,9 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
     params = _to_fake(den, list(named.values()), mode)
     with mode:
         latents, text = _inputs(model, dict(den.config), resolution, text_len)
-        counter = SavedTensors(den)
-        with counter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = adapter.training_loss(den, latents, text, TRAIN_CFG, scheduler, [torch.Generator().manual_seed(0)])
-        with counter.recompute_hooks():
-            loss.backward()
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        grads, saved, recompute = count_step(adapter, den, params, latents, text, scheduler)
         out = {"lora_params": sum(p.numel() for p in params), "lora_grad_bytes": grads,
-               "activation_bytes": counter.total + max(counter.recomputes, default=0)}
+               "activation_bytes": saved + recompute}
     return out
 
 
@@ -170,26 +164,27 @@ def weights(model: str, opts: dict) -> dict:
 def _headers(model: str, folder: Path) -> Path:
     import torch
 
+    from bench.memory import model_headers
+
     adapter, _, _ = _adapter(model, torch.device("meta"))
-    den = adapter.load_denoiser()
-    sub = folder / model / "transformer"
-    sub.mkdir(parents=True, exist_ok=True)
-    (sub / "config.json").write_text(json.dumps(dict(den.config), default=list))
-    header, offset = {}, 0
-    for name, t in den.state_dict().items():
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel() * 2]}
-        offset += t.numel() * 2
-    raw = json.dumps(header).encode()
-    (sub / "diffusion_pytorch_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    return sub.parent
+    return model_headers(adapter.load_denoiser(), folder / model)
 
 
-def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
-        acts: dict | None = None) -> dict:
+def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16) -> dict:
+    """tasks.training.memory.estimate for a row's settings, as the validate node computes it."""
     import torch
 
     from tasks.training.memory import estimate, lora_targets
 
+    model, options = name.split(":")
+    adapter, cls, _ = _adapter(model, torch.device("meta"))
+    cfg = _cfg(parse(options), text_len, rank)
+    return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
+                    (resolution, resolution), text_len, cls, adapter.swap_blocks)
+
+
+def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
+        acts: dict | None = None) -> dict:
     t0 = time.perf_counter()
     model, options = name.split(":")
     opts = parse(options)
@@ -197,10 +192,7 @@ def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, ra
     w = weights(model, opts)
     lora_bytes = a["lora_params"] * (4 + 8) + a["lora_grad_bytes"]  # fp32 weights, AdamW's moments, grads
     measured = w["device"] + lora_bytes + a["activation_bytes"]
-    adapter, cls, _ = _adapter(model, torch.device("meta"))
-    cfg = _cfg(opts, text_len, rank)
-    est = estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
-                   (resolution, resolution), text_len, cls, adapter.swap_blocks)
+    est = preflight(name, folder, resolution, text_len, rank)
     return {"name": name, "measured_gib": measured / GIB, "preflight_gib": est["total_gb"],
             "host_gib": w["host"] / GIB, "preflight_host_gib": est["host_gb"],
             "estimate_error": est["total_gb"] / (measured / GIB) - 1, "weights_gib": w["device"] / GIB,

@@ -102,16 +102,22 @@ def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
     for name in ref_lora:
         assert torch.equal(ref_lora[name], low_lora[name]), name  # same start
 
+    # every layer sees the same bf16 weights (upcast from fp8 on the fly, or held upcast) and runs the same
+    # kernels: loss and gradients are the same bits, on the AVX2 kernels and the machine's own
+    assert_same_step(adapter, (ref, ref_lora), (low, low_lora))
+
+
+def assert_same_step(adapter, reference, stored):
+    """Loss, input gradient and LoRA gradients of one step through `stored` (denoiser, LoRA) are the same bits
+    as through `reference`, which holds the stored weights upcast."""
     latents, text = _inputs(adapter)
     results = []
-    for denoiser, lora in ((ref, ref_lora), (low, low_lora)):
+    for denoiser, lora in (reference, stored):
         x = latents.clone().requires_grad_(True)
         loss = _loss(adapter, denoiser, x, text)
         loss.backward()
         results.append((loss.detach(), x.grad, {n: p.grad for n, p in lora.items()}))
     (ref_loss, ref_dx, ref_grads), (loss, dx, grads) = results
-    # every layer sees the same bf16 weights (upcast from fp8 on the fly, or held upcast) and runs the same
-    # kernels: loss and gradients are the same bits, on the AVX2 kernels and the machine's own
     assert torch.equal(loss, ref_loss)
     assert dx is not None and torch.count_nonzero(dx) > 0
     assert torch.equal(dx, ref_dx)
@@ -184,18 +190,21 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     assert [s for s in saved_lc if s[0] == BF16 and s[1] in low]
 
 
-@pytest.fixture(scope="module")
-def fp8_sweep(tmp_path_factory):
-    """Every family on an fp8 base through the CLI, as one Hydra sweep (`-m model=...`): one process and one
+def family_sweep(tmp_path, *overrides):
+    """Every family through the CLI with `overrides`, as one Hydra sweep (`-m model=...`): one process and one
     Prefect API for all eight, instead of one start-up each. Member i trained FAMILIES[i]."""
-    tmp_path = tmp_path_factory.mktemp("fp8-cli")
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)
     sweep = tmp_path / "sweep"
-    proc = _cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), "model.storage_dtype=float8_e4m3fn",
+    proc = _cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), *overrides,
                  f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
                  "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
     return proc, sweep
+
+
+@pytest.fixture(scope="module")
+def fp8_sweep(tmp_path_factory):
+    return family_sweep(tmp_path_factory.mktemp("fp8-cli"), "model.storage_dtype=float8_e4m3fn")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,7 +14,7 @@ from tasks.training.memory import stored_bytes, stored_weight_bytes
 from tasks.training.quantized_base import quantize_base, quantize_weight
 from tasks.training.train_setup import prepare_denoiser
 from tasks import validate
-from test_fp8_base import BF16, FAMILIES, _family, _gen, _inputs, _loss
+from test_fp8_base import BF16, FAMILIES, _family, _gen, _inputs, _loss, assert_same_step
 
 KINDS = ["int8", "nf4"]
 
@@ -80,19 +80,8 @@ def test_gradients_through_the_quantized_base_equal_an_upcast_copy(family, kind,
     for name, p in ref.named_parameters():
         if name in stored:
             p.data = upcast(low_params[name], BF16)
-    latents, text = _inputs(adapter)
-    results = []
-    for denoiser, lora in ((ref, ref_lora), (low, low_lora)):
-        x = latents.clone().requires_grad_(True)
-        loss = _loss(adapter, denoiser, x, text)
-        loss.backward()
-        results.append((loss.detach(), x.grad, {n: p.grad for n, p in lora.items()}))
-    (ref_loss, ref_dx, ref_grads), (loss, dx, grads) = results
     # every layer sees the same bf16 weights (dequantized on the fly, or held) through the same kernels
-    assert torch.equal(loss, ref_loss) and torch.count_nonzero(dx) > 0 and torch.equal(dx, ref_dx)
-    assert any(torch.count_nonzero(g) for g in grads.values())
-    for name, g in grads.items():
-        assert torch.equal(g, ref_grads[name]), name
+    assert_same_step(adapter, (ref, ref_lora), (low, low_lora))
 
 
 def test_dora_on_int8_trains_and_is_refused_on_nf4(tmp_path):
@@ -115,17 +104,9 @@ def test_dora_on_int8_trains_and_is_refused_on_nf4(tmp_path):
 @pytest.fixture(scope="module")
 def nf4_sweep(tmp_path_factory):
     """Every family on an NF4 base through the CLI, one Hydra sweep (as tests/test_fp8_base.py's fp8 one)."""
-    import shutil
+    from test_fp8_base import family_sweep
 
-    from test_cli import REPO, _cli
-
-    tmp_path = tmp_path_factory.mktemp("nf4-cli")
-    shutil.copytree(REPO / "data" / "demo", tmp_path / "data")
-    sweep = tmp_path / "sweep"
-    proc = _cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), "model.quantize=nf4", "model.dtype=bfloat16",
-                 f"data.dir={tmp_path / 'data'}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
-                 "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
-    return proc, sweep
+    return family_sweep(tmp_path_factory.mktemp("nf4-cli"), "model.quantize=nf4", "model.dtype=bfloat16")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,13 +19,14 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from tasks import cache_latents, cache_text, publish, sample, train, validate
+from tasks import cache_latents, cache_text, publish, validate
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data import controls
 from tasks.models import make_adapter
 from tasks.models.qwenimage_edit import QwenImageEditAdapter, vision_text_processor
 from tasks.store import Store
 from tasks.training.export import to_kohya
+from test_edit_pairs import _run  # validate, both caches, train, sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,14 +50,6 @@ def _cfg(root, *extra, dirs=("ctrl",)):
         "model=tiny_qwenimage_edit", f"data.dir={root / 'data'}", f"store.root={root / 'store'}", "data.resolution=32",
         f"sample.prompts_file={root / 'prompts.txt'}", "train.max_steps=2", "train.batch_size=2", "train.log_with=none",
         "sample.steps=2", f"data.control_dirs=[{','.join(str(root / d) for d in dirs)}]", *extra])[0])
-
-
-def _run(cfg, store):
-    plan = validate.run(cfg, store)
-    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    lora = train.run(cfg, plan, store, lat["items"], txt["items"])
-    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
-    return plan, lat, txt, lora, smp
 
 
 def test_template_and_vision_tokens(pairs):
