@@ -45,11 +45,20 @@ def swap_blocks(denoiser: torch.nn.Module, lists: tuple[str, ...], n: int, compu
                 registry.register_hook(hook, HOOK_NAME)
             weight = module.weight.data if type(module.weight) is torch.nn.Parameter else module.weight
             host = weight.to("cpu")
-            hook.host_weight = host.pin_memory() if pin else host
+            hook.host_weight = _pinned(host) if pin else host
             moved += stored_nbytes(host)
             module.weight = torch.nn.Parameter(torch.empty(0, dtype=compute_dtype, device=weight.device),
                                                requires_grad=False)
     return moved
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """Page-locked, for copies that do not block; a tensor subclass that cannot be pinned is copied from
+    pageable memory instead (slower, the same bytes)."""
+    try:
+        return t.pin_memory()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return t
 
 
 def stored_nbytes(t: torch.Tensor) -> int:
