@@ -8,6 +8,7 @@ the node functions (2 demo images at 32 px; no Prefect).
 - Controls are encoded as the pipeline resizes them (about 1 MP for the VAE); a sample prompt's texts are keyed
   by its --i images; the LoRA files load in `QwenImageEditPlusPipeline.load_lora_weights` and change its output.
 - Refusals: no control dir, a sample prompt without --i, data.flip_aug, a text over max_sequence_length.
+- It learns: the learning check on one pair (here rather than in tests/test_learns.py: the slowest check).
 """
 from __future__ import annotations
 
@@ -164,3 +165,16 @@ def test_lora_files_load_in_the_edit_pipeline(pairs):
     sd = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 4),
           "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(4, 2)}
     assert to_kohya("qwenimage_edit", sd, 2, 2).keys() == to_kohya("qwenimage", sd, 2, 2).keys()
+
+
+def test_it_learns_one_pair(tmp_path):
+    """The learning check (bench/learns.py, tests/test_learns.py) for Qwen-Image-Edit: trained on one (control,
+    target) pair, each exported file in QwenImageEditPlusPipeline given the control renders the target."""
+    from bench import learns
+
+    learns.dataset(tmp_path, "tiny_qwenimage_edit")
+    base, files = learns.train_nodes("tiny_qwenimage_edit", tmp_path)
+    r = learns.evaluate("tiny_qwenimage_edit", base, files)
+    assert set(r["files"]) == {"diffusers", "kohya"}
+    for fmt, ratio in r["files"].items():
+        assert ratio <= learns.bound("tiny_qwenimage_edit"), f"{fmt}: err ratio {ratio:.4f}"
