@@ -83,6 +83,8 @@ SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True
 # `<model>+int8|nf4`: trained on a quantized base (model.quantize, QLoRA), the files rendered on the full base
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
+SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
+SETTINGS["tiny_sd15+int8"] = {**SETTINGS["tiny_sd15"], "quantize": "int8"}  # its attention Linears (convs stay)
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
