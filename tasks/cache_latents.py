@@ -56,8 +56,8 @@ def latent_items(plan: dict) -> list[dict]:
     out = list(plan["items"])
     control_size = adapter_class(plan["family"]).control_size
     for it in plan["items"]:
-        size = it.get("size", plan["size"])
-        resize = {"resize_to": list(control_size(*size))} if list(control_size(*size)) != list(size) else {}
+        size, to = list(it.get("size", plan["size"])), list(control_size(*it.get("size", plan["size"])))
+        resize = {"resize_to": to} if to != size else {}
         for k, (path, digest) in enumerate(it.get("controls", [])):
             out.append({"name": controls.item_name(it["name"], k), "image": path, "image_digest": digest,
                         **{f: it[f] for f in ("size", "flip_of") if f in it}, **resize})

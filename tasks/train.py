@@ -324,8 +324,7 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         if sampler.due(step) and main:
             sampler(step, denoiser, checkpoint_key(trajectory, step))
         if held and main and validation.due(step, tc["validate_every_n_steps"], tc["max_steps"]):
-            value = validation.score(adapter, denoiser, accelerator, held, val_latents, val_texts, tc, scheduler,
-                                     val_controls)
+            value = validation.score(adapter, denoiser, accelerator, held, val_latents, val_texts, tc, scheduler, val_controls)
             val_losses.append({"step": step, "loss": value})
             accelerator.log({"validation_loss": value}, step=step)
             log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,

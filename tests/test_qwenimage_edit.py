@@ -102,6 +102,19 @@ def test_edit_matrix_rows_and_samples(pairs):
     assert (lat3["computed"], txt3["computed"], lora3["computed"]) == (2, 2, 1)  # its latents; both captions
 
 
+def test_a_control_with_its_targets_bytes_is_its_own_latent(pairs):
+    """The control's size is in its key: a control image byte-equal to its target (here every one) is encoded
+    twice, at the target's 32 px and at the pipeline's ~1 MP, not once for both."""
+    shutil.rmtree(pairs / "ctrl")
+    shutil.copytree(pairs / "data", pairs / "ctrl")
+    store = Store(pairs / "store")
+    cfg = _cfg(pairs)
+    lat = cache_latents.run(cfg, validate.run(cfg, store), store)
+    target = store.get_tensors(cache_latents.KIND, lat["items"]["img_00.png"])["latents"]
+    control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
+    assert target.shape[-2:] == (4, 4) and control.shape[-2:] == (128, 128) and lat["computed"] == 4
+
+
 def test_control_changes_the_loss(pairs):
     store = Store(pairs / "store")
     cfg = _cfg(pairs)
