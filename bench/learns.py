@@ -81,6 +81,10 @@ SETTINGS["tiny_flux2_klein+ref"] = {**SETTINGS["tiny_flux2_klein"], "control": T
 # batch: measured 0.128 in 2.5 min (a batch of 4: 0.074 in 9 min on 2 cores)
 SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True, "batch": 1}
 # `<model>+int8|nf4`: trained on a quantized base (model.quantize, QLoRA), the files rendered on the full base
+# Wan 2.1: one 9-frame clip (the demo image sliding right), rendered by WanPipeline at 9 frames; every Linear of
+# its blocks is a default target already
+SETTINGS["tiny_wan"] = {"arch": {"num_attention_heads": 4, "attention_head_dim": 24, "ffn_dim": 128}, "rank": 16,
+                        "steps": 300, "lr": 3e-3, "clip": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
@@ -103,12 +107,27 @@ def training_image(model: str) -> tuple[Image.Image, str]:
     return img, CAPTION
 
 
+FRAMES = 9  # a video family's clip: 1 + 4k frames (3 latent frames)
+
+
+def training_clip(model: str) -> list[Image.Image]:
+    """A video family's clip: the training image sliding 4 px right a frame (wrapping round)."""
+    img = training_image(model)[0]
+    return [Image.fromarray(np.roll(np.asarray(img), 4 * k, axis=1)) for k in range(FRAMES)]
+
+
 def dataset(root: Path, model: str) -> Path:
-    """The one training image, exactly SIZE px (no resize: its latent here is the cache's), and its caption."""
+    """The one training image, exactly SIZE px (no resize: its latent here is the cache's), and its caption;
+    a video family's: one clip at SIZE px."""
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
     img, caption = training_image(model)
-    img.save(data / "img.png")
+    if SETTINGS.get(model, {}).get("clip"):
+        from tasks.data.clips import write_mp4
+
+        write_mp4(training_clip(model), data / "img.mp4", fps=16)
+    else:
+        img.save(data / "img.png")
     (data / "img.txt").write_text(caption + "\n")
     (root / "prompts.txt").write_text(caption + "\n")
     if control := control_image(model):  # an edit family's pair: the control by the target's stem
@@ -136,6 +155,7 @@ def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]
             f"train.max_steps={s['steps']}", f"train.lr={s['lr']}", f"train.lr_scheduler={s.get('lr_scheduler', 'cosine')}",
             *([f"train.target_modules=[{','.join(s['targets'])}]"] if s.get("targets") else []),
             *([f"data.control_dirs=[{root / 'control'}]"] if s.get("control") else []),
+            *([f"data.frames={FRAMES}"] if s.get("clip") else []),
             *([f"model.quantize={s['quantize']}", "model.dtype=bfloat16"] if s.get("quantize") else []),
             "train.log_every=25", "train.log_with=none",
             f"sample.prompts_file={root / 'prompts.txt'}", "sample.steps=2", "export.format=both",
@@ -198,7 +218,7 @@ def _call_kwargs(pipe) -> dict:
     return kw
 
 
-def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None):
+def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None, frames: int | None = None):
     """The latent the pipeline hands to vae.decode, rendering `prompt` from the noise of `seed`."""
     import torch
 
@@ -214,6 +234,8 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
         edit = {} if control is None else (  # Kontext rescales to ~1 MP unless told; FLUX.2 takes a list
             dict(image=control, _auto_resize=False, max_area=SIZE * SIZE) if type(pipe).__name__ == "FluxKontextPipeline"
             else dict(image=[control]))
+        if frames:  # a video pipeline
+            edit["num_frames"] = frames
         pipe(prompt=prompt, height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
              generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe), **edit)
     finally:
@@ -222,11 +244,17 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
     return seen[0].float().flatten()
 
 
-def image_latent(pipe, image: Image.Image):
-    """The training image's latent as the VAE encodes it (the mode, as loraflow caches it), unscaled."""
+def image_latent(pipe, image: Image.Image | list):
+    """The training image's latent as the VAE encodes it (the mode, as loraflow caches it), unscaled; a clip's
+    (a list of frames): [1, 3, F, H, W] through the video VAE."""
     import torch
 
-    x = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
+    def pixels(img):
+        return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+    if isinstance(image, list):
+        x = torch.stack([pixels(f) for f in image], dim=1)[None]
+    else:
+        x = pixels(image)[None]
     if type(pipe.vae).__name__ == "AutoencoderKLQwenImage":  # a video VAE: one frame
         x = x[:, :, None]
     with torch.no_grad():
@@ -292,9 +320,19 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
     pipe = load_pipeline(base)
     image, caption = training_image(model)
+    clip = SETTINGS.get(model, {}).get("clip")
+    if clip:  # the clip as decoded from its mp4 (what loraflow encoded), not the frames before H.264
+        from tasks.data.clips import read_frames
+
+        with tempfile.TemporaryDirectory() as tmp:
+            from tasks.data.clips import write_mp4
+
+            decoded = read_frames(write_mp4(training_clip(model), Path(tmp) / "c.mp4", fps=16), FRAMES)
+        image = [Image.fromarray(f) for f in decoded]
     target = image_latent(pipe, image)
     control = control_image(model)
-    err_base = float(((render_latent(pipe, caption, control=control) - target) ** 2).mean())
+    frames = FRAMES if clip else None
+    err_base = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
         pipe = load_pipeline(base)
@@ -310,7 +348,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
                         if fmt == "comfyui" else None)
         else:
             pipe.load_lora_weights(str(file))
-        errs[fmt] = float(((render_latent(pipe, caption, control=control) - target) ** 2).mean())
+        errs[fmt] = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
         ratios[fmt] = errs[fmt] / err_base
     main = "diffusers" if "diffusers" in files else sorted(files)[0]
     return {"err_base": err_base, "err_lora": errs[main], "ratio": ratios[main], "files": ratios, "loaders": loaders}

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from PIL import ImageOps
+from PIL import Image, ImageOps
 
-from tasks.data import controls, masks
+from tasks.data import clips, controls, masks, video
 from tasks.data.images import image_to_tensor_and_geometry, read_image
 from tasks.store.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
@@ -36,7 +36,8 @@ def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
     # twin (data.flip_aug) is the same bytes mirrored: "flip" in its key only, so other keys stay.
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
     resize = {"resize_to": it["resize_to"]} if "resize_to" in it else {}  # a control at its family's size
-    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip, **resize})
+    clip = {"clip": it["clip"]} if "clip" in it else {}  # a video clip: the frames taken and their rate
+    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip, **resize, **clip})
 
 
 MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
@@ -77,6 +78,7 @@ def inputs(cfg: dict, plan: dict) -> dict:
     return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in items},
             **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
             **{f"flip:{it['name']}": "horizontal" for it in items if "flip_of" in it},
+            **{f"clip:{it['name']}": it["clip"] for it in items if "clip" in it},
             **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan["items"] if "mask" in it}}
 
 
@@ -92,7 +94,9 @@ def _write_masks(store: Store, plan: dict, todo: list[dict], keys: dict[str, str
 # (CPU kernels are not batch-invariant), so a resumed or partial run yields the same bytes.
 def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str]]:
     """Pixels of a batch; per item its original size and crop offsets (what the latent means) and the
-    digest of the bytes decoded."""
+    digest of the bytes decoded. A clip's frames go through the image path one by one: [3, F, H, W]."""
+    if "clip" in batch[0]:
+        return _clip_pixels(batch, size)
     read = [read_image(it["image"]) for it in batch]
     # a flipped twin is mirrored before the resize and crop: its geometry is that of the image it trains on
     read = [(ImageOps.mirror(img) if "flip_of" in it else img, d) for (img, d), it in zip(read, batch)]
@@ -103,6 +107,29 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
     pixels = torch.stack([p for p, _ in done])
     pixels = pixels.pin_memory() if torch.cuda.is_available() else pixels  # pinned: an async copy to the GPU
     return pixels, [g for _, g in done], [d for _, d in read]
+
+
+def _clip_pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str]]:
+    out, digests = [], []
+    for it in batch:
+        frames, digest = clips.read_clip(it["image"], it["clip"]["frames"], it["clip"]["fps"])
+        if len(frames) != it["clip"]["frames"]:
+            raise ConfigError(f"cache_latents: {it['name']}: {len(frames)} frame(s) decoded where validate counted "
+                              f"{it['clip']['frames']} (a variable-rate clip?); re-encode it at a constant rate")
+        images = [Image.fromarray(f) for f in frames]
+        images = [ImageOps.mirror(img) if "flip_of" in it else img for img in images]
+        out.append(torch.stack([image_to_tensor_and_geometry(img, *it.get("size", size))[0] for img in images], dim=1))
+        digests.append(digest)
+    return torch.stack(out), [{} for _ in batch], digests
+
+
+def batches_of(todo: list[dict], batch_size: int) -> list[list[dict]]:
+    """Batches of one shape: items by (size, frames) in first-seen order, then chunked (a batch of clips of
+    different lengths, or of a clip and an image, cannot stack)."""
+    groups: dict = {}
+    for it in todo:
+        groups.setdefault((tuple(it.get("size", ())), "clip" in it, video.frames_of(it)), []).append(it)
+    return [b for group in groups.values() for b in chunks(group, batch_size)]
 
 
 def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
@@ -122,7 +149,7 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg["model"], plan["model_dir"])
         vae = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_vae)
-        batches = list(chunks(todo, batch_size))
+        batches = batches_of(todo, batch_size)
         pixels_of = lambda batch: _pixels(batch, plan["size"])  # noqa: E731
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).

@@ -76,6 +76,10 @@ class DataConfig:
     alpha_mask: bool = False
     # Edit pairs (tasks/data/controls.py): control images by the target's stem, one folder per reference
     control_dirs: List[str] = field(default_factory=list)
+    # Video families (tasks/data/video.py): frames per clip sample (1 + 4k for Wan's VAE; a shorter clip trains
+    # at what it has, its frame bucket) and the rate clips are resampled to (null: each clip's own)
+    frames: int = 17
+    fps: Optional[float] = None
     # Aspect-ratio buckets: each image trains at the bucket nearest its aspect (about the area of
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False

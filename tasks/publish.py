@@ -144,7 +144,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     out.mkdir(exist_ok=True)
     paths = []
     for src, p in zip(samples, plan["prompts"]):
-        dst = out / f"{p['line']:03d}_{slug(p['prompt'])}.png"
+        dst = out / f"{p['line']:03d}_{slug(p['prompt'])}{Path(src).suffix}"  # .png, or a video family's .mp4
         shutil.copyfile(src, dst)
         paths.append(str(dst))
     grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None

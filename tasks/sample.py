@@ -10,6 +10,7 @@ from PIL import Image
 
 from tasks import cache_text
 from tasks.data import controls, prompts
+from tasks.data.clips import Video, read_frames, write_mp4
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
@@ -77,8 +78,26 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40] or "prompt"
 
 
+def save_sample(result, folder) -> Path:
+    """A rendered sample as a file in `folder`: an image as PNG; a video family's Video as an H.264 mp4."""
+    if isinstance(result, Video):
+        return write_mp4(result.frames, Path(folder) / "sample.mp4", result.fps)
+    path = Path(folder) / "sample.png"
+    result.save(path)
+    return path
+
+
+def preview(path) -> Image.Image:
+    """A sample file as one picture: the image, or a video's first frame."""
+    if Path(path).suffix == ".mp4":
+        return Image.fromarray(read_frames(path, 1)[0])
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
 def make_grid(images: list[Path], out: Path, columns: int = 4) -> Path:
-    tiles = [Image.open(p).convert("RGB") for p in images]
+    """The samples side by side (a video's first frame): a quick look at a run."""
+    tiles = [preview(p) for p in images]
     w, h = max(t.width for t in tiles), max(t.height for t in tiles)
     cols = min(columns, len(tiles))
     grid = Image.new("RGB", (cols * w, ((len(tiles) + cols - 1) // cols) * h), "white")
@@ -111,12 +130,10 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             prompt = tensors(f"prompt:{p['line']}", p["prompt"])
             negative = tensors(f"negative:{p['line']}", p["negative"]) if p["negative"] else None
             empty = tensors(empty_name(p, text_keys), "")
-            image = render(adapter, pipe, (prompt, negative, empty), s, p)
+            result = render(adapter, pipe, (prompt, negative, empty), s, p)
             with store.tmp_dir("sample") as tmp:
-                png = Path(tmp) / "sample.png"
-                image.save(png)
-                store.put_file(KIND, key, png, meta={"prompt": p["prompt"], **s})
-        log.info("sample: rendered %d image(s), reused %d", len(status.missing), len(status.reused))
+                store.put_file(KIND, key, save_sample(result, tmp), meta={"prompt": p["prompt"], **s})
+        log.info("sample: rendered %d sample(s), reused %d", len(status.missing), len(status.reused))
 
     node_inputs = inputs(cfg, plan, lora_key, text_keys)
     samples = [str(store.get_path(KIND, keys[f"prompt:{p['line']}"])) for p in plan["prompts"]]

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks.data import augment, controls, masks, subsets
+from tasks.data import augment, controls, masks, subsets, video
 from tasks.training import memory, validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError, stored_as
@@ -184,6 +184,7 @@ def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dic
         height = p.height and max(multiple, p.height // multiple * multiple)
         planned.append({"line": p.line, "prompt": p.prompt, "negative": p.negative, "width": width, "height": height,
                         "steps": p.steps, "guidance": p.guidance, "true_cfg": p.true_cfg, "seed": p.seed,
+                        **({"frames": p.frames} if p.frames else {}),
                         **controls.prompt_images(p, prompts_file)})
     return planned, warnings
 
@@ -203,6 +204,7 @@ def config_errors(cfg: dict) -> list[str]:
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
     errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg["data"], cfg["model"]["family"], adapter_cls)
+    errors += video.errors(cfg["data"], cfg["model"]["family"], adapter_cls.video, adapter_cls.frame_step)
     if cfg["data"]["random_crop"]:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
@@ -289,7 +291,7 @@ def run(cfg: dict, store: Store) -> dict:
     chosen, layout_warnings = subsets.resolve(dc)
     memos = {}  # per folder: images decoded and digested before, by stat (tasks/data/image_memo.py)
     checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
-        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)))
+        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.video)
     for memo in memos.values():
         memo.save(lambda path, data: store._write_small(path, data, f"the image memo {path.name}"))
     # (item, its name, its subset) of every subset, in subset order
@@ -327,6 +329,7 @@ def run(cfg: dict, store: Store) -> dict:
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
+    video.attach(dc, plan_items, [it for it, _, _ in items], adapter_cls.frame_step)  # each clip's frames and rate
     for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc["control_dirs"] else []):
         plan_items, left_out = attach(dc, plan_items, items)  # each item's mask / control images
         kept = {e["name"] for e in plan_items}
@@ -351,7 +354,8 @@ def run(cfg: dict, store: Store) -> dict:
     if held:
         log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
                  len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
-    return {**({"validation_items": held} if held else {}),"family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
+    clips = {"video": video.sample_defaults(dc, adapter_cls.default_fps)} if adapter_cls.video else {}
+    return {**({"validation_items": held} if held else {}), **clips, "family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
             "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
             "dataset": dataset, "dataset_subsets": dataset_subsets}
 

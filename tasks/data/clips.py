@@ -11,6 +11,8 @@ ships its own FFmpeg), never an ffmpeg subprocess.
 """
 from __future__ import annotations
 
+import io
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +28,31 @@ class ClipInfo:
     fps: float
     width: int
     height: int
+    span: float = 0.0  # seconds from the first frame's timestamp to the last's
 
     @property
     def seconds(self) -> float:
         return self.frames / self.fps
+
+    def frames_at(self, fps: float | None) -> int:
+        """How many frames `read_frames` gives at `fps` (None: the clip's own rate) from the start: one per
+        1/fps while the instant is on screen (up to half a frame past the last timestamp)."""
+        if not fps:
+            return self.frames
+        return int(math.floor((self.span + 0.5 / self.fps) * fps + 1e-9)) + 1
+
+    def train_frames(self, frames: int, fps: float | None, step: int) -> int:
+        """The frames a clip trains at: `frames` (data.frames), or fewer where the clip is shorter, on the
+        VAE's 1 + step*k rule; a clip's frame count is its frame bucket."""
+        return vae_frames(min(frames, self.frames_at(fps)), step)
+
+
+@dataclass
+class Video:
+    """A video family's sample: RGB frames (PIL images) and the rate they play at (tasks/sample.py saves it as
+    an mp4)."""
+    frames: list
+    fps: float
 
 
 class ClipLoadError(Exception):
@@ -47,12 +70,13 @@ def vae_frames(n: int, step: int = 4) -> int:
     return 1 + max(0, (n - 1) // step) * step
 
 
-def _decoded(path):
-    """(stream's average rate, [(time in seconds, frame)]) of every frame, in presentation order."""
+def _decoded(path, data: bytes | None = None):
+    """(stream's average rate, [(time in seconds, frame)]) of every frame, in presentation order; from `data`
+    (the file's bytes, read once by the caller) where given."""
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
             if not container.streams.video:
                 raise ClipLoadError(path, "no video stream")
             stream = container.streams.video[0]
@@ -79,13 +103,21 @@ def inspect_clip(path) -> tuple[str | None, ClipInfo | None]:
     except ClipLoadError as e:
         return e.reason, None
     first = frames[0][1]
-    return None, ClipInfo(len(frames), rate, first.width, first.height)
+    return None, ClipInfo(len(frames), rate, first.width, first.height, frames[-1][0] - frames[0][0])
 
 
-def read_frames(path, frames: int, fps: float | None = None, start: float = 0.0) -> np.ndarray:
+def read_clip(path, frames: int, fps: float | None = None) -> tuple[np.ndarray, str]:
+    """read_frames, and the sha256 of the very bytes decoded (the file is read once), as images.read_image."""
+    from tasks.store.hashing import digest_bytes
+
+    data = Path(path).read_bytes()
+    return read_frames(path, frames, fps, data=data), digest_bytes(data)
+
+
+def read_frames(path, frames: int, fps: float | None = None, start: float = 0.0, data: bytes | None = None) -> np.ndarray:
     """`frames` RGB frames [F, H, W, 3] uint8 from `start` seconds at `fps` (None: the clip's own rate); a
     clip too short for them gives what it has (the caller rounds to the VAE's rule)."""
-    rate, decoded = _decoded(path)
+    rate, decoded = _decoded(path, data)
     fps = fps or rate
     times = [t for t, _ in decoded]
     t0 = times[0]

@@ -15,8 +15,10 @@ from typing import NamedTuple
 # Decoding lives in tasks.data.images; re-exported here for callers of the dataset API.
 from tasks.data.images import (ImageLoadError, Note, check_image, decode_image, image_to_tensor,  # noqa: F401
                           inspect_image, load_image)
+from tasks.data.clips import CLIP_EXTENSIONS, inspect_clip, is_clip
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MEDIA_EXTS = IMAGE_EXTS + CLIP_EXTENSIONS  # what a walk lists: clips train in video families, else are noted
 MISSING_CAPTION_POLICIES = ("error", "empty")
 BAD_FILE_POLICIES = ("error", "skip")
 MIN_IMAGE_SIDE = 16
@@ -49,6 +51,7 @@ class Item:
     caption: str
     size: tuple[int, int] | None = None  # (width, height) after EXIF orientation, once decoded
     digest: str | None = None  # sha256 of the image's bytes, when the check read them (tasks/data/image_memo.py)
+    clip: tuple[int, float, float] | None = None  # a video clip's (frames, fps, span in seconds); None: an image
 
     def __post_init__(self):  # Paths are accepted, kept as strings (so items compare equal either way)
         if not isinstance(self.image_file, str):
@@ -132,7 +135,7 @@ def _walk(root: Path, real_root: Path, ext: str, problems: list[Problem], notes:
                     _linked_dir(Path(e.path), root, real_root, problems, notes)
                 else:
                     subfolders.append(e)
-            elif e.name.lower().endswith(IMAGE_EXTS):  # a looping or broken link is listed here too
+            elif e.name.lower().endswith(MEDIA_EXTS):  # a looping or broken link is listed here too
                 images.append(_File(e.path, prefix + e.name, link))
             elif e.name.endswith(ext):
                 captions.append(_File(e.path, prefix + e.name, link))
@@ -198,8 +201,12 @@ def _caption(img: str, name: str, real_root: Path, policy: str, ext: str, listed
     return text, cap, None, notes
 
 
-def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str = "error"):
-    """Candidates (item, its problems, its notes) plus dataset-level problems and notes."""
+NOT_A_VIDEO_FAMILY = "video clip: this model family trains images (a video family trains clips, e.g. model=tiny_wan)"
+
+
+def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str = "error", clips: bool = False):
+    """Candidates (item, its problems, its notes) plus dataset-level problems and notes. `clips`: video clips
+    are items (a video family); else each is noted and left out."""
     _check_options(missing_caption, caption_extension, bad_files)
     root = dataset_root(data_dir)
     real_root = root.resolve()
@@ -215,6 +222,9 @@ def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str
               for cap in captions if cap.name[:-len(caption_extension)] not in stems]
     for img in images:
         name, stem = img.name, img.name.rsplit(".", 1)[0]
+        if not clips and is_clip(name):
+            notes.append(Finding(name, NOT_A_VIDEO_FAMILY, "ignored"))
+            continue
         why = _refused(Path(img.path), real_root) if img.link else None
         if why:
             problems.append(Problem(name, f"symlink {why}", "symlink"))
@@ -266,12 +276,21 @@ def _message(root: Path, errors: list[Problem], skipped: list[Problem], ext: str
     return "\n".join(lines)
 
 
+def inspect_media(path) -> tuple[str | None, tuple[int, int] | None, list, tuple | None]:
+    """(reason it cannot be used or None, size, conversion notes, a clip's (frames, fps, span) or None)."""
+    if is_clip(path):
+        reason, info = inspect_clip(path)
+        return (reason, None, [], None) if reason else (None, (info.width, info.height), [], (info.frames, info.fps, info.span))
+    return (*inspect_image(path), None)
+
+
 def check_dataset(data_dir, missing_caption: str = "error", caption_extension: str = ".txt",
-                  bad_files: str = "error", memo=None) -> DatasetCheck:
+                  bad_files: str = "error", memo=None, clips: bool = False) -> DatasetCheck:
     """Scan + decode every image once: the items that train, and a finding for every file trained after a
     fix or left out. Raises DatasetError listing every problem no policy covers. `memo` (an ImageMemo):
-    images unchanged since an earlier check are not decoded again, and items carry their bytes' digest."""
-    root, candidates, problems, findings = _scan(data_dir, missing_caption, caption_extension, bad_files)
+    images unchanged since an earlier check are not decoded again, and items carry their bytes' digest.
+    `clips`: video clips (.mp4, .webm, .mov) are items too, each decoded to its end once (a video family)."""
+    root, candidates, problems, findings = _scan(data_dir, missing_caption, caption_extension, bad_files, clips)
     if memo is not None:
         memo.keep_only({item.name for item, _, _ in candidates})
     skip = bad_files == "skip"
@@ -279,16 +298,17 @@ def check_dataset(data_dir, missing_caption: str = "error", caption_extension: s
     items = []
     for item, mine, notes in candidates:
         if memo is None:
-            (reason, size, converted), digest = inspect_image(item.image_path), None
+            (reason, size, converted, clip), digest = inspect_media(item.image_path), None
         else:  # a file seen unchanged before is not decoded again (tasks/data/image_memo.py)
-            reason, size, converted, digest = memo.facts(item.image_file, item.name)
+            reason, size, converted, digest, clip = memo.facts(item.image_file, item.name)
         if reason:
             mine.append(Problem(item.name, reason, "image"))
         elif min(size) < MIN_IMAGE_SIDE:
             mine.append(Problem(item.name, f"image is {size[0]}x{size[1]}, smaller than "
                                            f"{MIN_IMAGE_SIDE} px on a side", "small"))
         if not mine:
-            items.append(Item(item.name, item.image_file, item.caption_file, item.caption, tuple(size), digest))
+            items.append(Item(item.name, item.image_file, item.caption_file, item.caption, tuple(size), digest,
+                              clip and tuple(clip)))
             findings += notes + [Finding(item.name, why, policy) for why, policy in converted]
         elif skip and any(p.kind != "missing_caption" for p in mine):
             skipped += mine  # unusable anyway: a missing caption of a skipped file does not matter
@@ -301,7 +321,8 @@ def check_dataset(data_dir, missing_caption: str = "error", caption_extension: s
     findings += [Finding(p.path, p.reason, SKIPPED) for p in skipped]
     if not items:
         left_out = f"; all {len(skipped)} file(s) found were left out by data.bad_files=skip" if skipped else ""
-        raise DatasetError(f"no usable images in data.dir={str(root)!r} (looked for {', '.join(IMAGE_EXTS)}, "
+        raise DatasetError(f"no usable images in data.dir={str(root)!r} (looked for "
+                           f"{', '.join(MEDIA_EXTS if clips else IMAGE_EXTS)}, "
                            f"recursively{left_out}); point data.dir at your image folder", skipped)
     return DatasetCheck(sorted(items, key=lambda i: i.name), sorted(findings, key=lambda f: (f.file, f.reason)))
 

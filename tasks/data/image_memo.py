@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tasks.store.hashing import digest_bytes, key_of, sealed, unseal
+from tasks.data.clips import inspect_clip, is_clip
 from tasks.data.images import ImageLoadError, decode_image
 
 log = logging.getLogger("loraflow")
@@ -37,15 +38,18 @@ class ImageMemo:
             log.warning("image memo %s is unreadable (%s): every image is read again", self.path, e)
             return {}
 
-    def facts(self, path: Path, name: str) -> tuple[str | None, tuple[int, int] | None, list, str | None]:
-        """(reason it cannot be used or None, size, conversion notes, sha256 of its bytes) of one image."""
+    def facts(self, path: Path, name: str) -> tuple[str | None, tuple[int, int] | None, list, str | None, list | None]:
+        """(reason it cannot be used or None, size, conversion notes, sha256 of its bytes, a video clip's
+        (frames, fps, span) or None) of one image or clip."""
         st = os.stat(path)
         sig = [st.st_size, st.st_mtime_ns, st.st_ino]
         hit = self._entries.get(name)
         if hit is not None and hit[0] == sig:
-            _, reason, size, notes, digest = hit
-            return reason, size and tuple(size), [tuple(n) for n in notes], digest
+            _, reason, size, notes, digest, *clip = hit  # entries written before clips have no sixth field
+            return reason, size and tuple(size), [tuple(n) for n in notes], digest, clip[0] if clip else None
         self.decoded += 1
+        if is_clip(name):
+            return self._clip(path, name, st, sig)
         try:
             try:
                 data = Path(path).read_bytes()
@@ -58,7 +62,18 @@ class ImageMemo:
             reason, size, notes, digest = e.reason, None, [], None
         if time.time_ns() - st.st_mtime_ns > RACY_NS:
             self._new[name] = [sig, reason, size, [list(n) for n in notes], digest]
-        return reason, size and tuple(size), notes, digest
+        return reason, size and tuple(size), notes, digest, None
+
+    def _clip(self, path, name: str, st, sig):
+        """A clip decoded to its end once (tasks/data/clips.py), remembered like an image."""
+        from tasks.store.hashing import digest_file
+
+        reason, info = inspect_clip(path)
+        digest = None if reason else digest_file(path)
+        size, clip = (None, None) if reason else ([info.width, info.height], [info.frames, info.fps, info.span])
+        if time.time_ns() - st.st_mtime_ns > RACY_NS:
+            self._new[name] = [sig, reason, size, [], digest, clip]
+        return reason, size and tuple(size), [], digest, clip
 
     def keep_only(self, names: set[str]) -> None:
         """Forget images no longer in the folder, so the memo does not grow with every file ever seen."""

@@ -4,6 +4,7 @@ One prompt per line: the prompt text, then options introduced by " --":
   --n <negative text>  --w <width>  --h <height>  --s <steps>
   --l <guidance scale>  --g <true CFG scale>  --d <seed>
   --i <control image>  (repeatable: an edit family's reference image(s); relative to the prompts file's folder)
+  --f <frames>  (a video family's frame count, as musubi-tuner's prompt files; default data.frames)
 Blank lines and lines starting with '#' are ignored. Pure core: no prefect/hydra.
 """
 
@@ -27,6 +28,7 @@ class SamplePrompt:
     true_cfg: float | None = None  # --g
     seed: int | None = None  # --d
     images: tuple[str, ...] = ()  # --i, repeatable: control images of edit families
+    frames: int | None = None  # --f: a video family's frame count
 
 
 class PromptLineError(ValueError):
@@ -47,6 +49,7 @@ _OPTIONS = {
     "g": ("true_cfg", "float"),
     "d": ("seed", "seed"),
     "i": ("images", "path"),
+    "f": ("frames", "positive int"),
 }
 _OPTION_RE = re.compile(r"([A-Za-z]+)(?:\s+(.*))?$", re.S)
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -54,7 +57,8 @@ _INT_RE = re.compile(r"[+-]?\d+")
 # (tiny_sd15) refuses more steps than its 1000 training timesteps; torch.Generator.manual_seed takes
 # 0..2**64-1; a side above 16384 px is no image any family renders (and 10**30 overflows tensor shapes).
 MAX_SIDE, MAX_STEPS, MAX_SEED = 16384, 1000, 2**64 - 1
-_MAX = {"w": MAX_SIDE, "h": MAX_SIDE, "s": MAX_STEPS, "d": MAX_SEED}
+MAX_FRAMES = 1025  # LTX-2's longest (257 latent frames); Wan's is 81
+_MAX = {"w": MAX_SIDE, "h": MAX_SIDE, "s": MAX_STEPS, "d": MAX_SEED, "f": MAX_FRAMES}
 
 
 def _convert(value: str, kind: str, opt: str, line: int):
@@ -159,7 +163,10 @@ def read_prompts(path) -> tuple[list[SamplePrompt], list[str]]:
 def sample_settings(cfg: dict, plan: dict, prompt: dict) -> dict:
     """A prompt's own kohya options win over the sample.* defaults."""
     sc = cfg["sample"]
-    return {"width": prompt["width"] or sc["width"] or plan["size"][0],
+    # a video family's plan names its sample length and rate (tasks/data/video.py); image families' keys stay
+    video = {"frames": prompt.get("frames") or plan["video"]["frames"], "fps": plan["video"]["fps"]} \
+        if plan.get("video") else {}
+    return {**video, "width": prompt["width"] or sc["width"] or plan["size"][0],
             "height": prompt["height"] or sc["height"] or plan["size"][1],
             "steps": prompt["steps"] or sc["steps"],
             "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],

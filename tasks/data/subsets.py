@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.dataset import IMAGE_EXTS, DatasetCheck, DatasetError, Finding, is_dir, dataset_root, check_dataset
+from tasks.data.dataset import MEDIA_EXTS, DatasetCheck, DatasetError, Finding, is_dir, dataset_root, check_dataset
 
 # kohya's DreamBooth folder name: `<repeats>_<name>`; at most 6 digits (int() of thousands of digits fails)
 KOHYA_FOLDER = re.compile(r"^([1-9][0-9]{0,5})_(.+)$")
@@ -65,14 +65,14 @@ def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
     return [Subset(root, "", 1, ext)], warnings
 
 
-def check(dc: dict, subsets: list[Subset], memo_of=None) -> list[tuple[Subset, DatasetCheck]]:
+def check(dc: dict, subsets: list[Subset], memo_of=None, clips: bool = False) -> list[tuple[Subset, DatasetCheck]]:
     """check_dataset of every subset, findings named like their items; every subset's problems in one error.
     `memo_of(folder)`: that folder's ImageMemo (tasks/data/image_memo.py), or None to decode every image."""
     checked, messages, problems = [], [], []
     for s in subsets:
         try:
             result = check_dataset(s.dir, dc["missing_caption"], s.caption_extension, dc["bad_files"],
-                                   memo_of and memo_of(s.dir))
+                                   memo_of and memo_of(s.dir), clips)
         except DatasetError as e:
             messages.append(str(e) if len(subsets) == 1 else f"subset {s.label or s.dir}: {e}")
             problems += e.problems
@@ -99,7 +99,7 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
     with os.scandir(root) as it:  # its entries know "folder? link?" without a stat call (100,000 images)
         entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     for entry in entries:
-        if entry.name.lower().endswith(IMAGE_EXTS) and not is_dir(entry):  # most entries: decided by the name
+        if entry.name.lower().endswith(MEDIA_EXTS) and not is_dir(entry):  # most entries: decided by the name
             outside.append(entry.name)
             continue
         match = KOHYA_FOLDER.match(entry.name)
@@ -110,7 +110,7 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
                 outside.append(entry.name + "/")
         elif entry.is_symlink() and os.path.isdir(entry.path):
             linked.append(entry.name + "/")
-        elif entry.name.lower().endswith(IMAGE_EXTS):
+        elif entry.name.lower().endswith(MEDIA_EXTS):
             outside.append(entry.name)
     return folders, outside, linked
 
@@ -118,6 +118,6 @@ def _kohya_layout(root: Path) -> tuple[list[tuple[Path, int]], list[str], list[s
 def _has_images(folder: Path) -> bool:
     for _, dirnames, files in os.walk(folder, followlinks=False):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # hidden folders are not read (tasks.data.dataset)
-        if any(f.lower().endswith(IMAGE_EXTS) and not f.startswith(".") for f in files):
+        if any(f.lower().endswith(MEDIA_EXTS) and not f.startswith(".") for f in files):
             return True
     return False

@@ -30,6 +30,7 @@ FAMILIES = {
                        "tasks.models.tiny_qwenimage_edit:build_tiny_qwenimage_edit"),
     "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
     "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
+    "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny_video:build_tiny_wan"),
 }
 
 

@@ -140,6 +140,11 @@ class FamilyAdapter(ABC):
     # train.blocks_to_swap: the denoiser's block lists, in the order they run (tasks/training/block_swap.py);
     # () = none to swap (the UNets: the setting is refused)
     swap_blocks: tuple[str, ...] = ()
+    # Video families (Wan, LTX-2): latents [C, F, h, w] from clips of 1 + frame_step * k frames (images are one
+    # frame); `sample` takes `frames` and `fps` and returns a tasks.data.clips.Video
+    video = False
+    frame_step = 1
+    default_fps = 16.0  # a video family's native rate: its samples' when data.fps is null
     requires_controls = False  # the pipeline renders only from a control image (every pair and --i needs one)
     # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
     # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)

@@ -28,12 +28,12 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
     mode = train_cfg.get("timestep_sampling", "sigma")
     if mode == "sigma":  # a sigma of the scheduler's table (its own shift applied), as diffusers' examples
         indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
-        sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, 1, 1, 1)
+        sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, *[1] * (latents.ndim - 1))
         timesteps = scheduler.timesteps[indices].to(latents.device)
     else:  # continuous, as sd-scripts' --timestep_sampling uniform / shift / flux_shift
         sigmas = shifted_sigmas(u, mode, train_cfg.get("discrete_flow_shift", 3.0), latents.shape[-2:])
         timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
-        sigmas = sigmas.to(latents.device, latents.dtype).view(b, 1, 1, 1)
+        sigmas = sigmas.to(latents.device, latents.dtype).view(b, *[1] * (latents.ndim - 1))  # video: [B,C,F,h,w]
     noise = offset_noise(noise, train_cfg, generators)  # after the sigma draws: they stay as without it
     return (1.0 - sigmas) * latents + sigmas * noise, noise, timesteps, sigmas
 

@@ -19,8 +19,8 @@ def offset_noise(noise: torch.Tensor, train_cfg: dict, generators: list[torch.Ge
     offset = float(train_cfg.get("noise_offset") or 0.0)
     if not offset:
         return noise
-    c = noise.shape[1]
-    shift = torch.stack([torch.randn((c, 1, 1), generator=g, dtype=noise.dtype) for g in generators])
+    shape = (noise.shape[1],) + (1,) * (noise.ndim - 2)  # (c, 1, 1); a video latent's (c, 1, 1, 1)
+    shift = torch.stack([torch.randn(shape, generator=g, dtype=noise.dtype) for g in generators])
     return noise + offset * shift.to(noise.device)
 
 

@@ -46,6 +46,10 @@ def check_format(data: Path) -> None:
             with open(f, "rb") as fh:
                 if fh.read(8) != _PNG:
                     raise FormatError(f"{f}: not a PNG file")
+        elif f.suffix == ".mp4":
+            with open(f, "rb") as fh:
+                if fh.read(8)[4:] != b"ftyp":  # an ISO media file starts with its ftyp box
+                    raise FormatError(f"{f}: not an mp4 file")
         elif f.suffix == ".json" and not data.is_dir():
             try:
                 json.loads(f.read_bytes())

@@ -65,7 +65,7 @@ def publish_step(samples_dir: Path, step: int | str, entries: list[dict]) -> lis
     folder.mkdir(parents=True, exist_ok=True)
     published = []
     for e in entries:
-        dst = folder / f"{e['line']:03d}_{sample.slug(e['prompt'])}.png"
+        dst = folder / f"{e['line']:03d}_{sample.slug(e['prompt'])}{Path(e['path']).suffix}"  # .png, or a video's .mp4
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
         shutil.copyfile(e["path"], tmp)
         os.replace(tmp, dst)
@@ -82,11 +82,32 @@ def to_tensorboard(accelerator) -> Callable[[int, list[str]], None]:
         for tracker in accelerator.trackers:
             if tracker.name == "tensorboard":
                 for path in paths:
+                    if Path(path).suffix == ".mp4":  # a video: TensorBoard's animated image
+                        add_video(tracker.writer, f"samples/{Path(path).stem}", path, step)
+                        continue
                     with Image.open(path) as image:
                         tracker.writer.add_image(f"samples/{Path(path).stem}", np.asarray(image.convert("RGB")),
                                                  step, dataformats="HWC")
                 tracker.writer.flush()
     return add_images
+
+
+def add_video(writer, tag: str, path, step: int) -> None:
+    """An mp4 sample in TensorBoard as an animated GIF (what its add_video writes; this makes the GIF with PIL
+    instead of moviepy)."""
+    import io
+
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from tasks.data.clips import inspect_clip, read_frames
+
+    _, info = inspect_clip(path)
+    frames = [Image.fromarray(f) for f in read_frames(path, info.frames)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / info.fps), loop=0)
+    image = Summary.Image(height=frames[0].height, width=frames[0].width, colorspace=3, encoded_image_string=buf.getvalue())
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
 
 class CheckpointSampler:
@@ -198,9 +219,8 @@ class CheckpointSampler:
                     self._warn(step, f"{self.prompts_file}:{p['line']}: not rendered ({type(e).__name__}: {e})")
                     continue
                 with self.store.tmp_dir("checkpoint-sample") as tmp:
-                    png = Path(tmp) / "sample.png"
-                    image.save(png)
-                    self.store.put_file(sample.KIND, key, png, meta={"prompt": p["prompt"], "step": step, **s})
+                    self.store.put_file(sample.KIND, key, sample.save_sample(image, tmp),
+                                        meta={"prompt": p["prompt"], "step": step, **s})
             entries.append({"line": p["line"], "prompt": p["prompt"], "path": str(self.store.get_path(sample.KIND, key))})
         log.info("sample at step %d: %d image(s)", step, len(entries))
         return entries

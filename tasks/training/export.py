@@ -29,6 +29,10 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
 - qwenimage: the same rule (`lora_unet_transformer_blocks_0_attn_to_q`), musubi-tuner's Qwen-Image layout,
   which diffusers' `QwenImagePipeline` converts (`_convert_non_diffusers_qwen_lora_to_diffusers`).
 - qwenimage_edit: the same (Qwen-Image-Edit is Qwen-Image's transformer; its pipelines share the loader).
+- wan: Wan's original names (`lora_unet_blocks_0_self_attn_q`, `..._cross_attn_o`, `..._ffn_0`): musubi-tuner's
+  networks.lora_wan layout, which diffusers' `WanPipeline` converts (`_convert_musubi_wan_lora_to_diffusers`,
+  which expects all ten Linears of every block: the family's default targets) and ComfyUI maps by its generic
+  `lora_unet_<model key>` rule (its Wan model keeps the original names).
 
 Pure core: no prefect/hydra imports.
 """
@@ -52,7 +56,7 @@ safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev")
+            "flux2_dev", "wan")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -104,6 +108,13 @@ _RULES["flux2_klein"] = [  # BFL FLUX.2 names, as diffusers' _convert_kohya_flux
     (_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{}_linear1", 1),  # already one fused Linear in diffusers
     (_S + r"attn\.to_out", "single_blocks_{}_linear2", 1),
 ]
+_W = r"blocks\.(\d+)\."
+_RULES["wan"] = [  # diffusers' WanTransformer3DModel -> Wan's original module names (musubi-tuner's, ComfyUI's)
+    *[(_W + f"attn{n}\\.{d}", f"blocks_{{}}_{o}_attn_{w}", 1) for n, o in (("1", "self"), ("2", "cross"))
+      for d, w in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))],
+    (_W + r"ffn\.net\.0\.proj", "blocks_{}_ffn_0", 1),
+    (_W + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
+]
 _RULES["flux_kontext"] = _RULES["flux"]  # FLUX.1 Kontext: FLUX.1's transformer, the same BFL names
 _RULES["flux2_dev"] = _RULES["flux2_klein"]  # the same transformer; Flux2Pipeline reads the same converter
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
@@ -117,7 +128,8 @@ _META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lor
          "sdxl": ("networks.lora", "sdxl_base_v1-0"), "sd15": ("networks.lora", "sd_v1"),
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
          "qwenimage_edit": ("networks.lora_qwen_image", "qwen_image_edit"),
-         "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev")}
+         "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev"),
+         "wan": ("networks.lora_wan", "wan2.1")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
 _NAMED = ("zimage", "qwenimage", "qwenimage_edit")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)

@@ -139,9 +139,15 @@ def stored_bytes(numel: int, storage: str) -> float:
     return float(numel * _BYTES[storage])
 
 
-def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int) -> tuple[int, int, int]:
-    """(tokens, width, blocks) of the denoiser at this training size, from its config."""
+def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+    """(tokens, width, blocks) of the denoiser at this training size (and a video's frames), from its config."""
     w, h = size
+    if "freq_dim" in config and "text_dim" in config:  # Wan: 1x2x2 patches of (1 + (F - 1) / 4) latent frames;
+        # the caption is cross-attention's keys, not in the sequence
+        pt, ph, pw = config["patch_size"]
+        latent_frames = 1 + (frames - 1) // 4
+        tokens = (latent_frames // pt) * (h // (8 * ph)) * (w // (8 * pw))
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
     if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 / Qwen-Image transformers
         width = config["num_attention_heads"] * config["attention_head_dim"]
         patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
@@ -184,7 +190,7 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc["optimizer"], 8)
     ema_bytes = 4 if tc.get("ema_decay") is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
-    tokens, width, blocks = activation_geometry(config, size, text_tokens)
+    tokens, width, blocks = activation_geometry(config, size, text_tokens, cfg.get("data", {}).get("frames", 1))
     act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
     unit = tokens * width * act_dtype * tc["batch_size"]
     if tc["gradient_checkpointing"]:

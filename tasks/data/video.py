@@ -1,0 +1,52 @@
+"""Clips in the plan (issue 33): which frames of each clip train, the frame buckets, and the sample defaults of a
+video family. Pure core, like the rest of tasks.data: the family's facts (its VAE's frame step, its native rate)
+come in as arguments.
+
+A clip trains at data.frames frames taken at data.fps (null: the clip's own rate) from its start, or, where it is
+shorter, at the most it has on the VAE's 1 + step*k rule: its frame count is its frame bucket (a batch is drawn
+from one shape), as musubi-tuner's and diffusion-pipe's frame buckets. A still image in a video family is a
+one-frame video."""
+from __future__ import annotations
+
+from tasks.data.clips import ClipInfo, vae_frames
+
+
+def errors(dc: dict, family: str, video: bool, frame_step: int) -> list[str]:
+    """Config errors of data.frames / data.fps, and what a video family does not train yet."""
+    frames, fps, out = dc.get("frames", 17), dc.get("fps"), []
+    if not isinstance(frames, int) or frames < 1:
+        out.append(f"data.frames={frames!r}: frames per clip sample, 1 or more (e.g. 17)")
+    elif video and frames != vae_frames(frames, frame_step):
+        lo = vae_frames(frames, frame_step)
+        out.append(f"data.frames={frames}: {family}'s video VAE takes 1 + {frame_step}k frames; use data.frames={lo} "
+                   f"or data.frames={lo + frame_step}")
+    if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps <= 240):
+        out.append(f"data.fps={fps!r}: the rate clips are resampled to, in frames per second (e.g. 16), or null "
+                   "for each clip's own rate")
+    if video:
+        for key, on in (("mask_dir", dc.get("mask_dir")), ("alpha_mask", dc.get("alpha_mask")),
+                        ("control_dirs", dc.get("control_dirs"))):
+            if on:
+                out.append(f"data.{key}: not available for video families yet ({family}); drop it to train clips")
+    return out
+
+
+def attach(dc: dict, plan_items: list[dict], items: list, frame_step: int) -> None:
+    """Each clip's plan entry gains `clip`: {frames, fps} (what its latent is encoded from, in its key);
+    `items` are the dataset items beside their entries (tasks.data.dataset.Item, with .clip and .size)."""
+    for entry, item in zip(plan_items, items):
+        if item.clip is not None:
+            frames, rate, span = item.clip
+            info = ClipInfo(int(frames), float(rate), *item.size, float(span))
+            fps = float(dc["fps"]) if dc.get("fps") else float(rate)
+            entry["clip"] = {"frames": info.train_frames(dc["frames"], dc.get("fps"), frame_step), "fps": fps}
+
+
+def frames_of(entry: dict) -> int:
+    """The frames an item trains at: a clip's, or 1 (an image)."""
+    return entry["clip"]["frames"] if "clip" in entry else 1
+
+
+def sample_defaults(dc: dict, default_fps: float) -> dict:
+    """A video family's sample length and rate: data.frames at data.fps (else the family's native rate)."""
+    return {"frames": dc.get("frames", 17), "fps": float(dc.get("fps") or default_fps)}

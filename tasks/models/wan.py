@@ -1,0 +1,104 @@
+"""Wan 2.1 / 2.2 (text-to-video): WanTransformer3DModel on 1x2x2 patches of the causal video VAE's latents
+(AutoencoderKLWan: /8 in space, /4 in time, 1 + 4k frames, 16 channels normalised per channel), text from UMT5
+(last hidden states, zero-padded to max_sequence_length, as the pipeline pads them), flow matching with real CFG.
+Follows diffusers' WanPipeline (pipelines/wan/pipeline_wan.py: `_get_t5_prompt_embeds`, the latents' un-normalising
+before `vae.decode`, the transformer called with `timestep` = t in [0, 1000]) and musubi-tuner's Wan training
+(velocity target noise - latents, timesteps shifted by the sampler's flow_shift).
+
+A still image trains as a one-frame video (the VAE's first frame is encoded alone), as the video trainers do.
+Wan 2.2 (two experts split at the pipeline's boundary_ratio) is tasks/models/wan22.py."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from tasks.data.clips import Video
+from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
+
+_SAFE = dict(use_safetensors=True)
+_SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
+
+
+class WanAdapter(TransformerAdapter):
+    family = "wan"
+    video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
+    frame_step = 4  # the VAE's temporal factor: clips train at 1 + 4k frames
+    swap_blocks = ("blocks",)  # train.blocks_to_swap
+    pipeline_cls = LazyClass("diffusers", "WanPipeline")
+    denoiser_cls = LazyClass("diffusers", "WanTransformer3DModel")
+    denoiser_subfolder = "transformer"
+    sample_parts = _SAMPLE_PARTS
+    # Wan's LoRA trainers target every linear of the attention blocks (musubi-tuner's networks/lora_wan.py:
+    # WanAttentionBlock); peft names in diffusers' model: self- and cross-attention, the feed-forward.
+    LORA_TARGETS = r".*blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|.*blocks\.\d+\.ffn\.net\.(0\.proj|2)"
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return diffusers.AutoencoderKLWan.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
+
+    @no_grad
+    def encode_latents(self, vae, pixels):
+        # pixels [B, 3, F, H, W] (an image: [B, 3, H, W], one frame) -> the mode, normalised per channel as the
+        # pipeline un-normalises before decoding (latents * std + mean): [B, 16, 1 + (F - 1) / 4, H / 8, W / 8]
+        if pixels.ndim == 4:
+            pixels = pixels[:, :, None]
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(z.device, z.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(z.device, z.dtype)
+        return (z - mean) / std
+
+    # -- text ------------------------------------------------------------------------------------
+    def load_text_encoders(self):
+        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, vae=None,
+                                                 **({"transformer_2": None} if self._has_expert_2() else {}),
+                                                 **_SAFE).to(self.device)
+
+    def _has_expert_2(self) -> bool:
+        return (self.model_dir / "transformer_2").is_dir()
+
+    @no_grad
+    def encode_text(self, pipe, texts):
+        # The pipeline's own T5 states: each caption's tokens, then zeros up to max_sequence_length (the
+        # transformer reads the zeros; there is no mask), so every caption is stored at that length.
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device=self.device,
+                                       max_sequence_length=self.max_sequence_length)
+        return [{"prompt_embeds": e} for e in embeds.cpu()]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return self.denoiser_cls.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+
+    def load_train_scheduler(self):
+        # Wan ships a UniPC sampler; training draws from the flow-matching table with the sampler's flow_shift
+        # (musubi-tuner's --discrete_flow_shift, 3.0 for Wan 2.1 at 480p), t = sigma x 1000.
+        config = diffusers.UniPCMultistepScheduler.load_config(self.model_dir, subfolder="scheduler")
+        return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
+                                                         shift=config.get("flow_shift") or 1.0)
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        if latents.ndim == 4:  # [B, C, h, w]: never stored by this family, but a one-frame video all the same
+            latents = latents[:, :, None]
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
+        pred = transformer(hidden_states=noisy, timestep=timesteps.to(latents.dtype),
+                           encoder_hidden_states=text["prompt_embeds"].to(latents.dtype), return_dict=False)[0]
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
+
+    # -- sampling --------------------------------------------------------------------------------
+    @no_grad
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed,
+               generator_device="cpu", frames=1, fps=16.0):
+        # Real CFG at `guidance` against the prompt's negative, else the cached empty prompt (the pipeline
+        # cannot encode "" without its text encoder); `true_cfg` is unused. Frames 1 + 4k (the VAE's rule).
+        uncond = negative if negative is not None else empty
+        generator = self.make_generator(pipe, seed, generator_device)
+        out = pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
+                   negative_prompt_embeds=uncond["prompt_embeds"][None].to(self.dtype),
+                   guidance_scale=guidance, width=width, height=height, num_frames=frames,
+                   num_inference_steps=steps, max_sequence_length=self.max_sequence_length, generator=generator,
+                   output_type="np").frames[0]
+        return Video([Image.fromarray(f) for f in (np.clip(out, 0, 1) * 255).round().astype(np.uint8)], fps)

@@ -1,0 +1,206 @@
+"""Issue 33: video LoRAs on Wan 2.1 (`model=tiny_wan`), at the node functions (no Prefect): real mp4 clips written
+and read with PyAV, real WanPipeline parts.
+
+- Clips as data: same-stem captions, images mixed in as one-frame videos, data.frames on the VAE's 1 + 4k rule,
+  data.fps resampling, frame buckets (a short clip trains at the frames it has); a broken clip is in the per-file
+  report (error or skip), never a traceback; an image family notes clips and leaves them out.
+- Cached per clip, by content (edit matrix rows, contract.md): one clip's bytes -> cache_latents 1, cache_text 0,
+  train ran, sample all; data.frames -> the clips' latents, not the images'; a clip added -> 1 latent, 1 text.
+- Samples are mp4 files (samples/ and samples/step_<k>/), a first-frame grid PNG, and TensorBoard's animated image.
+- The LoRA files (diffusers; kohya = musubi-tuner's Wan names) load in WanPipeline.load_lora_weights with the same
+  delta; the kohya names are the ones ComfyUI maps for Wan (its generic `lora_unet_<model key>` rule).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tasks import cache_latents, cache_text, publish, sample, train, validate
+from tasks.config import ConfigError, compose, resolve_paths
+from tasks.data.clips import inspect_clip, read_frames, write_mp4
+from tasks.data.dataset import DatasetError
+from tasks.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+FPS = 8
+
+
+def _clip(path: Path, n: int, color, fps: float = FPS) -> Path:
+    """A box of `color` moving right 2 px a frame over a grey ground, 40x40."""
+    frames = []
+    for i in range(n):
+        a = np.full((40, 40, 3), 40, np.uint8)
+        a[12:26, 2 + 2 * i:14 + 2 * i] = color
+        frames.append(a)
+    return write_mp4(frames, path, fps)
+
+
+@pytest.fixture
+def clips(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    _clip(data / "red.mp4", 12, (255, 0, 0))  # 12 frames: trains at 9 (data.frames=9)
+    _clip(data / "green.mp4", 6, (0, 255, 0))  # 6 frames: its bucket is 5
+    shutil.copyfile(REPO / "data" / "demo" / "img_00.png", data / "still.png")  # an image: one frame
+    for stem, caption in (("red", "a red box moving right"), ("green", "a green box moving right"),
+                          ("still", "a red circle on a blue background")):
+        (data / f"{stem}.txt").write_text(caption + "\n")
+    (tmp_path / "prompts.txt").write_text("a red box moving right\na green box --f 5\n")
+    return tmp_path
+
+
+def _cfg(root, *extra, model="tiny_wan"):
+    return resolve_paths(compose("train", [
+        f"model={model}", f"data.dir={root / 'data'}", f"store.root={root / 'store'}", "data.resolution=32",
+        "data.frames=9", f"sample.prompts_file={root / 'prompts.txt'}", "train.max_steps=2", "train.batch_size=1",
+        "train.log_with=none", "sample.steps=2", *extra])[0])
+
+
+def _run(cfg, store):
+    plan = validate.run(cfg, store)
+    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
+    lora = train.run(cfg, plan, store, lat["items"], txt["items"])
+    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
+    return plan, lat, txt, lora, smp
+
+
+def test_plan_frames_buckets_and_latent_shapes(clips):
+    cfg, store = _cfg(clips), Store(clips / "store")
+    plan = validate.run(cfg, store)
+    items = {it["name"]: it for it in plan["items"]}
+    assert items["red.mp4"]["clip"] == {"frames": 9, "fps": float(FPS)}  # data.frames of its 12
+    assert items["green.mp4"]["clip"] == {"frames": 5, "fps": float(FPS)}  # 6 frames: the 1 + 4k below
+    assert "clip" not in items["still.png"]
+    assert plan["video"] == {"frames": 9, "fps": 16.0}  # samples: data.frames at Wan's native rate
+    lat = cache_latents.run(cfg, plan, store)
+    shapes = {n: tuple(store.tensor_shapes(cache_latents.KIND, k)["latents"]) for n, k in lat["items"].items()}
+    # Wan's VAE: 16 channels, 1 + (F - 1) / 4 latent frames, /8 in space
+    assert shapes == {"red.mp4": (16, 3, 4, 4), "green.mp4": (16, 2, 4, 4), "still.png": (16, 1, 4, 4)}
+    # the latent is the VAE's of the decoded frames (normalised per channel), not of anything else
+    from tasks.models import make_adapter
+
+    adapter = make_adapter(cfg["model"], Path(plan["model_dir"]))
+    # 40x40 frames: covering 32x32 is a plain bicubic resize (PIL's, as the image path), no crop
+    frames = [Image.fromarray(f).resize((32, 32), Image.Resampling.BICUBIC)
+              for f in read_frames(clips / "data" / "red.mp4", 9, FPS)]
+    pixels = torch.stack([torch.from_numpy(np.asarray(f, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)
+                          for f in frames], dim=1)[None]
+    direct = adapter.encode_latents(adapter.load_vae(), pixels)[0]
+    stored = store.get_tensors(cache_latents.KIND, lat["items"]["red.mp4"])["latents"]
+    assert torch.equal(stored, direct)  # the same input through the same VAE on this machine: the same bytes
+
+
+def test_fps_resamples_and_is_in_the_key(clips):
+    store = Store(clips / "store")
+    plan = validate.run(_cfg(clips, "data.fps=4"), store)
+    red = next(it for it in plan["items"] if it["name"] == "red.mp4")
+    assert red["clip"] == {"frames": 5, "fps": 4.0}  # 12 frames at 8 fps = 1.5 s: 6 at 4 fps -> 5
+    keys = cache_latents.item_keys(_cfg(clips, "data.fps=4"), plan)
+    keys8 = cache_latents.item_keys(_cfg(clips), validate.run(_cfg(clips), store))
+    assert keys["red.mp4"] != keys8["red.mp4"] and keys["still.png"] == keys8["still.png"]
+
+
+def test_edit_matrix_rows_for_clips(clips):
+    cfg, store = _cfg(clips), Store(clips / "store")
+    _, lat, txt, lora, smp = _run(cfg, store)
+    # one clip's bytes (re-encoded: a brighter box) -> that latent alone, no text, train ran, sample all
+    _clip(clips / "data" / "red.mp4", 12, (255, 80, 80))
+    _, lat2, txt2, lora2, smp2 = _run(cfg, store)
+    assert (lat2["computed"], txt2["computed"], smp2["computed"]) == (1, 0, 2) and lora2["key"] != lora["key"]
+    assert {n for n in lat["items"] if lat["items"][n] != lat2["items"][n]} == {"red.mp4"}
+    # data.frames: the clips' latents (their frames change), never an image's
+    plan3 = validate.run(_cfg(clips, "data.frames=5"), store)
+    lat3 = cache_latents.run(_cfg(clips, "data.frames=5"), plan3, store)
+    assert lat3["computed"] == 1 and lat3["items"]["still.png"] == lat2["items"]["still.png"]
+    assert lat3["items"]["green.mp4"] == lat2["items"]["green.mp4"]  # 6 frames trained at 5 either way
+    # a clip + caption added -> one latent, one text
+    _clip(clips / "data" / "blue.mp4", 9, (0, 0, 255))
+    (clips / "data" / "blue.txt").write_text("a blue box moving right\n")
+    plan4 = validate.run(cfg, store)
+    assert (cache_latents.run(cfg, plan4, store)["computed"], cache_text.run(cfg, plan4, store)["computed"]) == (1, 1)
+
+
+def test_samples_are_mp4_with_a_grid_and_tensorboard_gets_them(clips):
+    cfg = _cfg(clips, "sample.every_n_steps=2", "train.log_with=tensorboard")
+    store, run_dir = Store(clips / "store"), clips / "run"
+    plan = validate.run(cfg, store)
+    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
+    lora = train.run(cfg, plan, store, lat["items"], txt["items"], run_dir=run_dir)
+    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
+    art = publish.publish(cfg, plan, store, run_dir, lora, smp["samples"])
+    assert [Path(p).name for p in art["samples"]] == ["001_a_red_box_moving_right.mp4", "002_a_green_box.mp4"]
+    got = {Path(p).name: inspect_clip(p)[1] for p in art["samples"]}
+    assert got["001_a_red_box_moving_right.mp4"].frames == 9 and got["002_a_green_box.mp4"].frames == 5  # --f 5
+    assert got["002_a_green_box.mp4"].fps == 16 and (got["002_a_green_box.mp4"].width, got["002_a_green_box.mp4"].height) == (32, 32)
+    grid = Image.open(art["grid"])
+    assert grid.size == (64, 32)  # the two first frames side by side
+    assert [Path(p).suffix for p in art["checkpoint_samples"]["2"]] == [".mp4", ".mp4"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folders = {f.parent for f in (run_dir / "tensorboard").rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(min(folders)), size_guidance={"images": 0})  # accelerate's run folder
+    events.Reload()
+    tags = [t for t in events.Tags()["images"] if t.startswith("samples/")]
+    assert len(tags) == 2
+    gif = events.Images(tags[0])[0].encoded_image_string
+    assert gif[:6] == b"GIF89a" and Image.open(__import__("io").BytesIO(gif)).n_frames == 9
+
+
+def test_lora_files_load_in_wanpipeline_with_the_same_delta(clips):
+    cfg, store = _cfg(clips, "export.format=both"), Store(clips / "store")
+    plan, _, _, lora, _ = _run(cfg, store)
+    files = {"diffusers": publish.diffusers_file(store, lora), "kohya": publish.kohya_file(cfg, plan, store, lora)}
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    names = sorted(k.split(".")[0] for k in load_file(str(files["kohya"])) if k.endswith(".alpha"))
+    # musubi-tuner's Wan names (networks/lora_wan.py), which diffusers' _convert_musubi_wan_lora_to_diffusers
+    # reads and ComfyUI maps by model_lora_keys_unet's `lora_unet_<its Wan model key, dots as _>`
+    assert names[:10] == [f"lora_unet_blocks_0_{m}" for m in ("cross_attn_k", "cross_attn_o", "cross_attn_q",
+                          "cross_attn_v", "ffn_0", "ffn_2", "self_attn_k", "self_attn_o", "self_attn_q", "self_attn_v")]
+    pipe = WanPipeline.from_pretrained(plan["model_dir"], use_safetensors=True)
+    for name, file in files.items():
+        pipe.load_lora_weights(str(file), adapter_name=name)
+    sd = pipe.transformer.state_dict()
+    for module in ("blocks.0.attn1.to_q", "blocks.1.attn2.to_out.0", "blocks.1.ffn.net.0.proj"):
+        d, k = (sd[f"{module}.lora_B.{n}.weight"] @ sd[f"{module}.lora_A.{n}.weight"] for n in ("diffusers", "kohya"))
+        # the converter folds alpha/rank (1 here: alpha = rank) into the weights as a power of two: exact
+        assert torch.equal(d, k) and d.abs().max() > 0
+
+
+def test_broken_clip_is_reported_not_raised(clips):
+    (clips / "data" / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
+    (clips / "data" / "bad.txt").write_text("broken\n")
+    with pytest.raises(DatasetError, match=r"bad\.mp4: cannot decode video"):
+        validate.run(_cfg(clips), Store(clips / "store"))
+    plan = validate.run(_cfg(clips, "data.bad_files=skip"), Store(clips / "store"))
+    assert "bad.mp4" not in {it["name"] for it in plan["items"]}
+    assert any(f["file"] == "bad.mp4" and f["policy"] == "skipped" for f in plan["dataset"])
+
+
+def test_image_family_notes_clips_and_trains_the_images(clips):
+    plan = validate.run(_cfg(clips, model="tiny_flux"), Store(clips / "store"))
+    assert [it["name"] for it in plan["items"]] == ["still.png"]
+    assert {f["file"]: f["policy"] for f in plan["dataset"]} == {"green.mp4": "ignored", "red.mp4": "ignored"}
+
+
+@pytest.mark.parametrize("override, says", [
+    ("data.frames=8", "data.frames=8: wan's video VAE takes 1 + 4k frames; use data.frames=5 or data.frames=9"),
+    ("data.fps=0", "data.fps=0"),
+    ("data.alpha_mask=true", "data.alpha_mask: not available for video families yet"),
+])
+def test_config_errors_name_the_key(clips, override, says):
+    with pytest.raises(ConfigError, match=says.replace("+", r"\+").replace(".", r"\.")):
+        validate.run(_cfg(clips, override), Store(clips / "store"))
+
+
+def test_f_option_parses():
+    from tasks.data.prompts import parse_prompt_line
+
+    assert parse_prompt_line("a clip --f 17 --w 64", 1).frames == 17
