@@ -1,6 +1,7 @@
 """Memory of the big bases with `model.quantize` and `train.blocks_to_swap`: rows `<model>:<options>` of
 `python -m bench.memory` (contract), FLUX.1-dev, Qwen-Image (20.4 B) and FLUX.2 [dev] (32.2 B) at their real
-configs, 1024x1024, 512 text tokens, rank 16 on each family's default targets, AdamW, bf16 autocast.
+configs, 1024x1024, 512 text tokens, rank 16 on each family's default targets, AdamW, bf16 autocast; and Wan 2.1
+14B (`wan14b`) at its model card's 480x832, 81 frames (21 latent frames: 32,760 video tokens).
 
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]
 
@@ -27,7 +28,16 @@ HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 ROWS = ("flux_dev:nf4+ckpt", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
         "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
-        "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16")
+        "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16",
+        "wan14b:int8+ckpt", "wan14b:nf4+ckpt", "wan14b:int8+ckpt+swap20", "wan14b_81f:nf4+ckpt",
+        "wan14b_81f:nf4+ckpt+swap30")
+# A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
+# 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
+GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81)}
+
+
+def _size(model: str, resolution: int) -> tuple[tuple[int, int], int]:
+    return GEOMETRY.get(model, ((resolution, resolution), 1))
 
 
 def _models() -> dict:
@@ -36,7 +46,10 @@ def _models() -> dict:
     # (adapter, denoiser class, config): the class defaults are Qwen/Qwen-Image's and FLUX.2-dev's configs
     return {"flux_dev": ("tasks.models.flux:FluxAdapter", "FluxTransformer2DModel", FLUX_DEV),
             "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "QwenImageTransformer2DModel", {}),
-            "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "Flux2Transformer2DModel", {})}
+            "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "Flux2Transformer2DModel", {}),
+            # WanTransformer3DModel's defaults are Wan-AI/Wan2.1-T2V-14B's config (5120 wide, 40 blocks)
+            "wan14b": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
+            "wan14b_81f": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {})}
 
 
 def parse(options: str) -> dict:
@@ -79,6 +92,9 @@ def _inputs(model: str, config: dict, resolution: int, text_len: int):
         from bench.gpu import inputs
 
         return inputs(config, resolution, text_len, 1, torch.device("cpu"))
+    if model.startswith("wan14b"):  # 16-channel latents of the video VAE (/4 in time, /8 in space); UMT5 states
+        (w, h), frames = _size(model, resolution)
+        return z(1, 16, 1 + (frames - 1) // 4, h // 8, w // 8), {"prompt_embeds": z(1, text_len, config["text_dim"])}
     if model == "qwenimage":  # 16-channel /8 latents, packed 2x2 by the adapter; Qwen2.5-VL states and mask
         return z(1, 16, resolution // 8, resolution // 8), {
             "prompt_embeds": z(1, text_len, config["joint_attention_dim"]),
@@ -88,9 +104,9 @@ def _inputs(model: str, config: dict, resolution: int, text_len: int):
         "prompt_embeds": z(1, text_len, config["joint_attention_dim"])}
 
 
-def _cfg(opts: dict, text_len: int, rank: int) -> dict:
+def _cfg(opts: dict, text_len: int, rank: int, frames: int = 1) -> dict:
     store = opts["store"]
-    return {"model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
+    return {"data": {"frames": frames}, "model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
                       "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
             "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
                       "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"]}}
@@ -178,9 +194,10 @@ def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 5
 
     model, options = name.split(":")
     adapter, cls, _ = _adapter(model, torch.device("meta"))
-    cfg = _cfg(parse(options), text_len, rank)
+    size, frames = _size(model, resolution)
+    cfg = _cfg(parse(options), text_len, rank, frames)
     return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
-                    (resolution, resolution), text_len, cls, adapter.swap_blocks)
+                    size, text_len, cls, adapter.swap_blocks)
 
 
 def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
@@ -198,7 +215,8 @@ def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, ra
             "estimate_error": est["total_gb"] / (measured / GIB) - 1, "weights_gib": w["device"] / GIB,
             "preflight_weights_gib": est["weights_gb"], "activations_gib": a["activation_bytes"] / GIB,
             "preflight_activations_gib": est["activations_gb"], "lora_params": a["lora_params"],
-            "resolution": resolution, "text_tokens": text_len, "rank": rank, "seconds": time.perf_counter() - t0}
+            "resolution": resolution, "size": list(_size(model, resolution)[0]), "frames": _size(model, resolution)[1],
+            "text_tokens": text_len, "rank": rank, "seconds": time.perf_counter() - t0}
 
 
 def rows(names, folder: Path, **kw) -> list[dict]:
@@ -218,7 +236,7 @@ def rows(names, folder: Path, **kw) -> list[dict]:
     return out
 
 
-GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24}  # GiB: the issue's goals for some row of each
+GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24, "wan14b": 24}  # GiB: the issue's goals for some row of each
 CARDS = (12, 16, 24, 48, 80)  # GB on the box
 MARGIN_GIB = 1.0  # CUDA context and allocator: an H200's peaks were 0.46-0.47 GiB above bench.memory's figures
 LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt")  # the least change first
@@ -235,9 +253,11 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
     head = _headers(model, folder)
     budget = card_gb * 1e9 / GIB - MARGIN_GIB
 
+    size, frames = _size(model, resolution)
+
     def total(options):
-        cfg = _cfg(parse(options), text_len, rank)
-        return estimate(cfg, head, "transformer", lora_targets(cfg["train"], adapter), (resolution, resolution),
+        cfg = _cfg(parse(options), text_len, rank, frames)
+        return estimate(cfg, head, "transformer", lora_targets(cfg["train"], adapter), size,
                         text_len, cls, adapter.swap_blocks)["total_gb"]
 
     n_blocks = len(block_order(_weights(head / "transformer"), adapter.swap_blocks))
