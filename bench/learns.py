@@ -83,8 +83,8 @@ SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True
 # `<model>+int8|nf4`: trained on a quantized base (model.quantize, QLoRA), the files rendered on the full base
 # Wan 2.1: one 9-frame clip (the demo image sliding right), rendered by WanPipeline at 9 frames; every Linear of
 # its blocks is a default target already
-SETTINGS["tiny_wan"] = {"arch": {"num_attention_heads": 4, "attention_head_dim": 24, "ffn_dim": 128}, "rank": 16,
-                        "steps": 300, "lr": 3e-3, "clip": True}
+SETTINGS["tiny_wan"] = {"arch": {"num_attention_heads": 8, "attention_head_dim": 24, "ffn_dim": 256}, "rank": 16,
+                        "steps": 600, "lr": 1e-2, "clip": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}

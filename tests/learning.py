@@ -11,7 +11,7 @@ import tasks.models.unet as unet
 from bench.file_mutations import FILE_MUTATIONS
 
 # The modules whose training_loss calls noise_latents / weighted_loss (imported by name, so patched there).
-FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2")
+FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2", "wan")
 
 
 def _flow_modules():

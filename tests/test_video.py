@@ -204,3 +204,43 @@ def test_f_option_parses():
     from tasks.data.prompts import parse_prompt_line
 
     assert parse_prompt_line("a clip --f 17 --w 64", 1).frames == 17
+
+
+# -- it learns (bench/learns.py's check, issue 33 item 5) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan_learned(tmp_path_factory):
+    from bench import learns
+
+    root = tmp_path_factory.mktemp("tiny_wan")
+    learns.dataset(root, "tiny_wan")
+    base, files = learns.train_nodes("tiny_wan", root)
+    return base, files, learns.evaluate("tiny_wan", base, files)
+
+
+def test_wan_lora_memorises_its_clip(wan_learned):
+    """One 9-frame clip memorised; WanPipeline with each exported file renders it from noise (the latent handed
+    to vae.decode vs the clip's own VAE latent) within the image families' bound. Deterministic on the AVX2
+    kernels `make test` uses (bench/learns.json: 0.095)."""
+    from bench import learns
+
+    _, _, r = wan_learned
+    assert set(r["files"]) == {"diffusers", "kohya"} and set(r["loaders"].values()) == {"load_lora_weights"}
+    for fmt, ratio in r["files"].items():
+        assert ratio <= learns.bound("tiny_wan"), f"tiny_wan {fmt}: err ratio {ratio:.4f} > {learns.bound('tiny_wan')}"
+
+
+def test_wan_check_catches_a_halved_scale_and_a_flipped_target(wan_learned, monkeypatch, tmp_path):
+    from bench import learns
+    from learning import FILES, sign_flipped
+
+    base, files, _ = wan_learned
+    bad = tmp_path / files["kohya"].name
+    FILES["scale_halved"](files["kohya"], bad)
+    assert learns.evaluate("tiny_wan", base, {"kohya": bad})["files"]["kohya"] > learns.BOUND
+    sign_flipped(monkeypatch, "wan")  # the velocity target's sign: a falling loss, a wrong LoRA
+    learns.dataset(tmp_path / "flipped", "tiny_wan")
+    base2, files2 = learns.train_nodes("tiny_wan", tmp_path / "flipped")
+    monkeypatch.undo()
+    assert learns.evaluate("tiny_wan", base2, files2)["ratio"] > learns.BOUND
