@@ -15,7 +15,7 @@ from tasks.config import ConfigError, stored_as
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
 from tasks.store.hashing import digest_file, key_of
 from tasks.data.image_memo import ImageMemo
-from tasks.models import adapter_class, component_ids, resolve_model
+from tasks.models import adapter_class, component_ids, make_adapter, resolve_model
 from tasks.data.prompts import read_prompts
 from tasks.runtime import cuda_available
 from tasks.data.sizes import bucket_sizes, nearest_bucket, resolve_size
@@ -320,7 +320,7 @@ def run(cfg: dict, store: Store) -> dict:
     options = pipeline_options(model_dir)
     if options:  # e.g. SDXL's force_zeros_for_empty_prompt: sampling reads them; no key changes without them
         ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
-    adapter = adapter_cls(model_dir, cfg["model"]["dtype"], cfg["model"]["max_sequence_length"])
+    adapter = make_adapter(cfg["model"], model_dir)
     estimate = memory.preflight(cfg, adapter, size)
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],

@@ -31,6 +31,7 @@ FAMILIES = {
     "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
     "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
     "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny_video:build_tiny_wan"),
+    "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny_video:build_tiny_wan22"),
 }
 
 
@@ -46,7 +47,9 @@ def adapter_class(family: str) -> type[FamilyAdapter]:
 
 
 def make_adapter(model_cfg: dict, model_dir: Path) -> FamilyAdapter:
-    return adapter_class(model_cfg["family"])(model_dir, model_cfg["dtype"], model_cfg["max_sequence_length"])
+    adapter = adapter_class(model_cfg["family"])(model_dir, model_cfg["dtype"], model_cfg["max_sequence_length"])
+    adapter.configure(model_cfg)
+    return adapter
 
 
 def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:

@@ -59,6 +59,14 @@ class FamilyAdapter(ABC):
         self.dtype_name = dtype
         self.max_sequence_length = max_sequence_length
 
+    def configure(self, model_cfg: dict) -> None:
+        """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""
+        if model_cfg.get("expert"):
+            from tasks.config import ConfigError
+
+            raise ConfigError(f"model.expert={model_cfg['expert']}: only Wan 2.2 (model.family=wan22) has experts; "
+                              f"drop it for model.family={self.family}")
+
     # dtype and device read torch: made when first used, so validate's preflight (an adapter for its model
     # paths and LoRA targets) imports no torch on a no-op run
     @functools.cached_property

@@ -80,10 +80,14 @@ class WanAdapter(TransformerAdapter):
         return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
                                                          shift=config.get("flow_shift") or 1.0)
 
+    def draw(self, latents, train_cfg, scheduler, generators):
+        """(noisy, noise, timesteps, sigmas): the flow-matching draws (Wan 2.2's expert keeps to its side)."""
+        return noise_latents(latents, train_cfg, scheduler, generators)
+
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         if latents.ndim == 4:  # [B, C, h, w]: never stored by this family, but a one-frame video all the same
             latents = latents[:, :, None]
-        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
+        noisy, noise, timesteps, sigmas = self.draw(latents, train_cfg, scheduler, generators)
         pred = transformer(hidden_states=noisy, timestep=timesteps.to(latents.dtype),
                            encoder_hidden_states=text["prompt_embeds"].to(latents.dtype), return_dict=False)[0]
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target

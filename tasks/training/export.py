@@ -56,7 +56,7 @@ safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev", "wan")
+            "flux2_dev", "wan", "wan22")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -115,6 +115,7 @@ _RULES["wan"] = [  # diffusers' WanTransformer3DModel -> Wan's original module n
     (_W + r"ffn\.net\.0\.proj", "blocks_{}_ffn_0", 1),
     (_W + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
 ]
+_RULES["wan22"] = _RULES["wan"]  # each Wan 2.2 expert is a Wan 2.1 transformer: one LoRA file per expert
 _RULES["flux_kontext"] = _RULES["flux"]  # FLUX.1 Kontext: FLUX.1's transformer, the same BFL names
 _RULES["flux2_dev"] = _RULES["flux2_klein"]  # the same transformer; Flux2Pipeline reads the same converter
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
@@ -129,7 +130,7 @@ _META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lor
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
          "qwenimage_edit": ("networks.lora_qwen_image", "qwen_image_edit"),
          "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev"),
-         "wan": ("networks.lora_wan", "wan2.1")}
+         "wan": ("networks.lora_wan", "wan2.1"), "wan22": ("networks.lora_wan", "wan2.2")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
 _NAMED = ("zimage", "qwenimage", "qwenimage_edit")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)

@@ -58,6 +58,7 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
     return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
             "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
+            **({"expert": cfg["model"]["expert"]} if cfg["model"].get("expert") else {}),  # Wan 2.2's
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
             **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in unused},
             **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **_text_encoders(cfg, plan), **pairs}
