@@ -244,3 +244,51 @@ def test_wan_check_catches_a_halved_scale_and_a_flipped_target(wan_learned, monk
     base2, files2 = learns.train_nodes("tiny_wan", tmp_path / "flipped")
     monkeypatch.undo()
     assert learns.evaluate("tiny_wan", base2, files2)["ratio"] > learns.BOUND
+
+
+def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
+    """ComfyUI's Wan model keeps Wan's original module names (comfy/ldm/wan/model.py: blocks.N.self_attn.q|k|v|o,
+    cross_attn.q|k|v|o, ffn.0 / ffn.2, as Wan's own wan/modules/model.py); restated here from diffusers' table of
+    the same names (loaders/lora_conversion_utils.py `_convert_non_diffusers_wan_lora_to_diffusers`: self_attn ->
+    attn1, cross_attn -> attn2, q/k/v/o -> to_q/to_k/to_v/to_out.0, ffn.0 -> ffn.net.0.proj, ffn.2 -> ffn.net.2).
+    model_lora_keys_unet's generic rule maps `lora_unet_<key, dots as _>` to each (tests/test_comfyui_keys.py
+    restates it with its commit); every key of the kohya file (= the ComfyUI file) must be read and merge to the
+    PEFT LoRA's delta."""
+    from peft import LoraConfig
+    from test_comfyui_keys import REL, _comfyui_merge
+
+    from tasks.models.tiny_video import build_tiny_wan
+    from tasks.models.wan import WanAdapter
+    from tasks.training.export import to_kohya
+    from tasks.training.export_comfyui import comfyui_loads_kohya
+
+    build_tiny_wan(tmp_path / "wan")
+    adapter = WanAdapter(tmp_path / "wan")
+    den = adapter.load_denoiser()
+    linears = {n: m for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}  # before peft wraps them
+    den.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=adapter.default_lora_targets()))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in den.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    from peft.utils import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(den)
+    comfy_name = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v",
+                  "to_out.0": "o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+    def original(name: str) -> str:
+        for d, o in comfy_name.items():
+            name = name.replace(f".{d}", f".{o}")
+        return name
+
+    comfy_keys = {original(n): (m.out_features, m.in_features) for n, m in linears.items()}
+    file = to_kohya("wan", sd, 4, 8)
+    merged = _comfyui_merge("wan", file, comfy_keys)
+    modules = {k.rsplit(".lora_", 1)[0] for k in sd}
+    assert {original(m) for m in modules} == set(merged) and len(merged) == 20  # 10 Linears x 2 blocks
+    for m in modules:
+        want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
+        assert (merged[original(m)] - want).abs().max() <= REL * want.abs().max(), m
+    assert comfyui_loads_kohya("wan") and comfyui_loads_kohya("wan22")
