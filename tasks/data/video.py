@@ -11,7 +11,7 @@ from __future__ import annotations
 from tasks.data.clips import ClipInfo, vae_frames
 
 
-def errors(dc: dict, family: str, video: bool, frame_step: int) -> list[str]:
+def errors(dc: dict, family: str, video: bool, frame_step: int, network: str = "lora") -> list[str]:
     """Config errors of data.frames / data.fps, and what a video family does not train yet."""
     frames, fps, out = dc.get("frames", 17), dc.get("fps"), []
     if not isinstance(frames, int) or frames < 1:
@@ -28,6 +28,9 @@ def errors(dc: dict, family: str, video: bool, frame_step: int) -> list[str]:
                         ("control_dirs", dc.get("control_dirs"))):
             if on:
                 out.append(f"data.{key}: not available for video families yet ({family}); drop it to train clips")
+        if network in ("loha", "lokr"):  # their LyCORIS file names diffusers' modules: no Wan loader reads those
+            out.append(f"train.network={network}: not available for video families yet ({family}): no loader of "
+                       "Wan LoRAs reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
     return out
 
 
