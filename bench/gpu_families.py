@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev")
+            "flux2_dev", "wan", "wan22")
 # name -> overrides: each memory option a user of one GPU would pick (train.num_processes stays 1 = the GPUs
 # of the lent machine; model.dtype=float16 trains under accelerate's fp16 loss scaling, tasks/training/train_setup.py)
 VARIANTS = {
@@ -47,6 +47,10 @@ VARIANTS = {
     # Qwen-Image-Edit: every sample prompt needs its image (--i)
     "edit-all+bf16": ["train.mixed_precision=bf16", f"data.control_dirs=[{REPO / 'data' / 'demo'}]",
                       f"sample.prompts_file={HERE / 'edit_prompts_all.txt'}"],
+    # video families (wan, wan22): the demo clips (data/demo_clips, 17 frames at 64 px) and mp4 samples; needs
+    # PyAV (`av`) on the device, which the GPU image lacks (bench/README.md: carried in a second call)
+    "video+bf16": ["train.mixed_precision=bf16", "data=demo_clips", "data.frames=9",
+                   f"sample.prompts_file={REPO / 'data' / 'demo_clips_prompts.txt'}"],
     # big bases (model.quantize, train.blocks_to_swap; the swap for the transformer families only)
     "nf4+ckpt": ["model.quantize=nf4", "model.dtype=bfloat16", "train.mixed_precision=bf16",
                  "train.gradient_checkpointing=true"],
@@ -97,7 +101,12 @@ def check_outputs(out: Path, expect_device: str) -> list[str]:
     if not samples:
         problems.append("no samples")
     for s in samples:
-        a = np.asarray(Image.open(s))
+        if s.endswith(".mp4"):  # a video family's sample: its frames
+            from tasks.data.clips import inspect_clip, read_frames
+
+            a = read_frames(s, inspect_clip(s)[1].frames)
+        else:
+            a = np.asarray(Image.open(s))
         if a.min() == a.max():
             problems.append(f"sample {Path(s).name} is a single flat value {a.min()}")
     return problems

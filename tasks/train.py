@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from tasks.data import augment, controls, masks
+from tasks.data import augment, controls, masks, video
 from tasks import cache_latents, cache_text
 from tasks.training import checkpoint_samples, checkpoints, interrupt, validation
 from tasks.models import text_encoder_lora as te_lora
@@ -251,8 +251,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
         accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
     groups = buckets_of(latents.shapes, repeats)
     if len(groups) > 1 and main:
-        log.info("train: %d aspect buckets, each batch from one: %s", len(groups),
-                 ", ".join("{}x{}: {}".format(*plan["items"][g[0]].get("size", plan["size"]), len(g)) for g in groups))
+        log.info("train: %d buckets, each batch from one: %s", len(groups),
+                 ", ".join(f"{video.bucket_name(plan['items'][g[0]], plan['size'])}: {len(g)}" for g in groups))
     accum = tc["gradient_accumulation_steps"]
 
     def load_step(micro: int) -> _Batch:  # with CUDA: one micro-batch ahead, in a thread (prefetch)

@@ -50,6 +50,12 @@ def frames_of(entry: dict) -> int:
     return entry["clip"]["frames"] if "clip" in entry else 1
 
 
+def bucket_name(entry: dict, size) -> str:
+    """A batch bucket as the log names it: 64x64, or a clip's 64x64, 17 frames."""
+    w, h = entry.get("size", size)
+    return f"{w}x{h}" + (f", {entry['clip']['frames']} frames" if "clip" in entry else "")
+
+
 def sample_defaults(dc: dict, default_fps: float) -> dict:
     """A video family's sample length and rate: data.frames at data.fps (else the family's native rate)."""
     return {"frames": dc.get("frames", 17), "fps": float(dc.get("fps") or default_fps)}
