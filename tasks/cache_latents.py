@@ -167,6 +167,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
                         edited.append(it["name"])
                         key = _item_key(p, plan, it, digest)
                     extra = geom if adapter.size_conditioning else {}
+                    if adapter.video:  # the frame rate the latent was taken at (LTX-2's RoPE reads it in training)
+                        extra = {"fps": torch.tensor(float(it["clip"]["fps"] if "clip" in it else adapter.default_fps))}
                     writes.submit(store.put_tensors, KIND, key, {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(todo), len(status.reused))

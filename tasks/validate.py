@@ -204,8 +204,7 @@ def config_errors(cfg: dict) -> list[str]:
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
     errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg["data"], cfg["model"]["family"], adapter_cls)
-    errors += video.errors(cfg["data"], cfg["model"]["family"], adapter_cls.video, adapter_cls.frame_step,
-                           cfg["train"]["network"])
+    errors += video.errors(cfg, adapter_cls)
     if cfg["data"]["random_crop"]:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "

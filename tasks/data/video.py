@@ -11,8 +11,10 @@ from __future__ import annotations
 from tasks.data.clips import ClipInfo, vae_frames
 
 
-def errors(dc: dict, family: str, video: bool, frame_step: int, network: str = "lora") -> list[str]:
-    """Config errors of data.frames / data.fps, and what a video family does not train yet."""
+def errors(cfg: dict, adapter_cls) -> list[str]:
+    """Config errors of data.frames / data.fps, the smallest side a video family renders, and what a video
+    family does not train yet."""
+    dc, family, video, frame_step = cfg["data"], cfg["model"]["family"], adapter_cls.video, adapter_cls.frame_step
     frames, fps, out = dc.get("frames", 17), dc.get("fps"), []
     if not isinstance(frames, int) or frames < 1:
         out.append(f"data.frames={frames!r}: frames per clip sample, 1 or more (e.g. 17)")
@@ -28,9 +30,14 @@ def errors(dc: dict, family: str, video: bool, frame_step: int, network: str = "
                         ("control_dirs", dc.get("control_dirs"))):
             if on:
                 out.append(f"data.{key}: not available for video families yet ({family}); drop it to train clips")
-        if network in ("loha", "lokr"):  # their LyCORIS file names diffusers' modules: no Wan loader reads those
+        side = getattr(adapter_cls, "min_side", 0)
+        if side and dc.get("resolution_type") == "pixels" and dc.get("resolution", side) < side:
+            out.append(f"data.resolution={dc['resolution']:g}: {family} renders sides of {side} px or more (its "
+                       f"VAE decoder); use data.resolution={side} or more")
+        network = cfg["train"]["network"]
+        if network in ("loha", "lokr"):  # their LyCORIS file names diffusers' modules: no video loader reads those
             out.append(f"train.network={network}: not available for video families yet ({family}): no loader of "
-                       "Wan LoRAs reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
+                       "video LoRAs reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
     return out
 
 

@@ -32,6 +32,7 @@ FAMILIES = {
     "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
     "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny_video:build_tiny_wan"),
     "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny_video:build_tiny_wan22"),
+    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny_ltx2:build_tiny_ltx2"),
 }
 
 

@@ -27,6 +27,7 @@ class WanAdapter(TransformerAdapter):
     family = "wan"
     video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
     frame_step = 4  # the VAE's temporal factor: clips train at 1 + 4k frames
+    latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     swap_blocks = ("blocks",)  # train.blocks_to_swap
     pipeline_cls = LazyClass("diffusers", "WanPipeline")
     denoiser_cls = LazyClass("diffusers", "WanTransformer3DModel")

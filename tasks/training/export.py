@@ -33,6 +33,11 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
   networks.lora_wan layout, which diffusers' `WanPipeline` converts (`_convert_musubi_wan_lora_to_diffusers`,
   which expects all ten Linears of every block: the family's default targets) and ComfyUI maps by its generic
   `lora_unet_<model key>` rule (its Wan model keeps the original names).
+- ltx2: `lora_unet_<diffusers module name, dots as underscores>` (`lora_unet_transformer_blocks_0_attn1_to_q`,
+  `..._ff_net_0_proj`): for the video stream's modules diffusers' names are LTX-2's original (ltx-core) ones, which
+  ComfyUI's LTXAV model keeps (its generic `lora_unet_<model key>` rule maps them) and the musubi-tuner LTX-2
+  forks' networks.lora_ltx2 writes. diffusers' `LTX2Pipeline` loads NO kohya layout (its converter reads only
+  ltx-trainer's `diffusion_model.`-prefixed PEFT keys): use the diffusers file there.
 
 Pure core: no prefect/hydra imports.
 """
@@ -56,7 +61,7 @@ safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev", "wan", "wan22")
+            "flux2_dev", "wan", "wan22", "ltx2")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -130,9 +135,10 @@ _META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lor
          "zimage": ("networks.lora_zimage", "zimage"), "qwenimage": ("networks.lora_qwen_image", "qwen_image"),
          "qwenimage_edit": ("networks.lora_qwen_image", "qwen_image_edit"),
          "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev"),
-         "wan": ("networks.lora_wan", "wan2.1"), "wan22": ("networks.lora_wan", "wan2.2")}
+         "wan": ("networks.lora_wan", "wan2.1"), "wan22": ("networks.lora_wan", "wan2.2"),
+         "ltx2": ("networks.lora_ltx2", "ltx2")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
-_NAMED = ("zimage", "qwenimage", "qwenimage_edit")
+_NAMED = ("zimage", "qwenimage", "qwenimage_edit", "ltx2")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)
 _TE_PREFIX = {"sd15": {"text_encoder": "lora_te"}, "sdxl": {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}}
 

@@ -144,8 +144,9 @@ def stored_bytes(numel: int, storage: str) -> float:
 
 def activation_factors(config: dict) -> tuple[float, float, float]:
     """(per block, per checkpointed block, one recompute) in saved values per token x width, for this denoiser."""
-    if "freq_dim" in config and "text_dim" in config:
-        return WAN_FACTORS
+    if ("freq_dim" in config and "text_dim" in config) or "audio_in_channels" in config:
+        return WAN_FACTORS  # LTX-2: Wan's block shape (self-, cross-attention, FFN) as the nearest; not measured
+
     return ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR
 
 
@@ -170,6 +171,13 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, f
         # the refiners run on the image (noise_refiner) or the caption (context_refiner) tokens alone: counted
         # as one full block per refiner layer (an overestimate of the caption side's share)
         return tokens, config["dim"], config["n_layers"] + config["n_refiner_layers"]
+    if "audio_in_channels" in config:  # LTX-2: 1x1x1 patches of (1 + (F - 1) / 8) latent frames, /32 in space; the
+        # caption is cross-attention's keys (the audio stream: one token when training video only)
+        st, sh, sw = config.get("vae_scale_factors", (8, 32, 32))
+        latent_frames = 1 + (frames - 1) // st
+        p = config["patch_size"]
+        tokens = (latent_frames // config["patch_size_t"]) * (h // (sh * p)) * (w // (sw * p))
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
     # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
     channels = config["block_out_channels"]
     tokens = (h // 8) * (w // 8)
