@@ -180,6 +180,9 @@ def test_lora_files_load_in_the_edit_pipeline(pairs):
     assert to_kohya("qwenimage_edit", sd, 2, 2).keys() == to_kohya("qwenimage", sd, 2, 2).keys()
 
 
+# 2.5 min alone on 2 cores, ~8 min beside the suite's other workers: the default 600 s limit is too near for a
+# busy machine (its outcome must not depend on load), so it gets three times the quiet-machine time and then some
+@pytest.mark.timeout(1800)
 def test_it_learns_one_pair(tmp_path):
     """The learning check (bench/learns.py, tests/test_learns.py) for Qwen-Image-Edit: trained on one (control,
     target) pair, each exported file in QwenImageEditPlusPipeline given the control renders the target."""
