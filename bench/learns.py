@@ -85,6 +85,8 @@ SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True
 # its blocks is a default target already
 SETTINGS["tiny_wan"] = {"arch": {"num_attention_heads": 8, "attention_head_dim": 24, "ffn_dim": 256}, "rank": 16,
                         "steps": 600, "lr": 1e-2, "clip": True}
+# LTX-2's video stream: the same clip (9 frames = 1 + 8k, 2 latent frames of 2x2 at 64 px), ltx-trainer's targets
+SETTINGS["tiny_ltx2"] = {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "clip": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
@@ -92,7 +94,8 @@ SETTINGS["tiny_sd15+int8"] = {**SETTINGS["tiny_sd15"], "quantize": "int8"}  # it
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
-MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3"}
+MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3",
+          "LTX2Pipeline": "ltx2"}  # LTX-2: diffusers reads no kohya layout for it
 
 
 def training_image(model: str) -> tuple[Image.Image, str]:
@@ -107,7 +110,8 @@ def training_image(model: str) -> tuple[Image.Image, str]:
     return img, CAPTION
 
 
-FRAMES = 9  # a video family's clip: 1 + 4k frames (3 latent frames)
+FRAMES = 9  # a video family's clip: 1 + 4k frames (Wan: 3 latent frames; LTX-2, 1 + 8k: 2)
+CLIP_FPS = 16
 
 
 def training_clip(model: str) -> list[Image.Image]:
@@ -125,7 +129,7 @@ def dataset(root: Path, model: str) -> Path:
     if SETTINGS.get(model, {}).get("clip"):
         from tasks.data.clips import write_mp4
 
-        write_mp4(training_clip(model), data / "img.mp4", fps=16)
+        write_mp4(training_clip(model), data / "img.mp4", fps=CLIP_FPS)
     else:
         img.save(data / "img.png")
     (data / "img.txt").write_text(caption + "\n")
@@ -215,6 +219,8 @@ def _call_kwargs(pipe) -> dict:
         kw["true_cfg_scale"] = 1.0
     if "max_sequence_length" in params:
         kw["max_sequence_length"] = 64 if type(pipe).__name__ == "Flux2Pipeline" else 32
+    if "frame_rate" in params:  # LTX-2: the clip's rate (its RoPE's time axis, as trained)
+        kw["frame_rate"] = float(CLIP_FPS)
     return kw
 
 
@@ -287,7 +293,11 @@ def merge_kohya(pipe, file: Path, family: str | None = None) -> None:
 
     kohya = load_file(str(file))
     modules = dict(_denoiser(pipe).named_modules())
-    rows = comfyui_rows(family, modules) if family else kohya_rows(MERGED[type(pipe).__name__], modules)
+    from tasks.training.export import named_layout
+
+    merged = MERGED.get(type(pipe).__name__)
+    rows = (comfyui_rows(family, modules) if family else  # LTX-2: one module per kohya name
+            {m.replace(".", "_"): [m] for m in modules} if named_layout(merged) else kohya_rows(merged, modules))
     with torch.no_grad():
         for name in sorted({k.split(".")[0] for k in kohya}):
             if name.removeprefix("lora_unet_") not in rows:  # ComfyUI's "lora key not loaded": skipped
@@ -327,7 +337,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             from tasks.data.clips import write_mp4
 
-            decoded = read_frames(write_mp4(training_clip(model), Path(tmp) / "c.mp4", fps=16), FRAMES)
+            decoded = read_frames(write_mp4(training_clip(model), Path(tmp) / "c.mp4", fps=CLIP_FPS), FRAMES)
         image = [Image.fromarray(f) for f in decoded]
     target = image_latent(pipe, image)
     control = control_image(model)

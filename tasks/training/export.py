@@ -143,6 +143,11 @@ _NAMED = ("zimage", "qwenimage", "qwenimage_edit", "ltx2")
 _TE_PREFIX = {"sd15": {"text_encoder": "lora_te"}, "sdxl": {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}}
 
 
+def named_layout(family: str) -> bool:
+    """Whether the family's kohya names are its diffusers module names, dots as underscores (one Linear each)."""
+    return check_family(family) in _NAMED
+
+
 def check_family(family: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
