@@ -34,7 +34,9 @@ import numpy as np
 from PIL import Image
 
 from bench.file_mutations import FILE_MUTATIONS
-from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, shown as _shown, write_results  # noqa: F401
+from bench.learns_loaders import MERGED, denoiser_of, load_pipeline, merge_kohya
+from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, write_results  # noqa: F401
+from bench.learns_report import shown as _shown
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTION = "a red circle on a blue background"
@@ -93,11 +95,6 @@ SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4
 SETTINGS["tiny_sd15+int8"] = {**SETTINGS["tiny_sd15"], "quantize": "int8"}  # its attention Linears (convs stay)
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
-# The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
-MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3",
-          "LTX2Pipeline": "ltx2"}  # LTX-2: diffusers reads no kohya layout for it
-
-
 def training_image(model: str) -> tuple[Image.Image, str]:
     """The one image and its caption: a demo image, or for the demo base a shape it has never seen (a world
     image it knows would leave the LoRA nothing to learn)."""
@@ -204,10 +201,6 @@ def train_nodes(model: str, root: Path, settings: dict | None = None) -> tuple[P
 # -- evaluation ---------------------------------------------------------------------------------------------
 
 
-def _denoiser(pipe):
-    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
-
-
 def _call_kwargs(pipe) -> dict:
     """No classifier-free guidance anywhere (the LoRA learned the conditional prediction); the distilled
     guidance of Flux and FLUX.2 [dev] at train.guidance's default (1.0), as trained."""
@@ -267,49 +260,6 @@ def image_latent(pipe, image: Image.Image | list):
         return pipe.vae.encode(x.to(pipe.vae.dtype)).latent_dist.mode().float().flatten()
 
 
-def load_pipeline(base: Path):
-    from diffusers import DiffusionPipeline
-
-    if json.loads((base / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline":
-        from tasks.models.qwenimage_edit import vision_text_processor  # see its docstring: no torchvision here
-
-        pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True, processor=None)
-        pipe.processor = vision_text_processor(base)
-    else:
-        pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def merge_kohya(pipe, file: Path, family: str | None = None) -> None:
-    """ComfyUI's rule for a kohya (or ComfyUI-layout) file: W += alpha/rank * up @ down on the original
-    checkpoint's Linear, whose rows are the diffusers Linears it fuses (tasks/training/export.py's tables, read
-    backwards). `family`: a ComfyUI-layout file's (Z-Image: fused q/k/v)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from tasks.training.export import kohya_rows
-    from tasks.training.export_comfyui import comfyui_rows
-
-    kohya = load_file(str(file))
-    modules = dict(_denoiser(pipe).named_modules())
-    from tasks.training.export import named_layout
-
-    merged = MERGED.get(type(pipe).__name__)
-    rows = (comfyui_rows(family, modules) if family else  # LTX-2: one module per kohya name
-            {m.replace(".", "_"): [m] for m in modules} if named_layout(merged) else kohya_rows(merged, modules))
-    with torch.no_grad():
-        for name in sorted({k.split(".")[0] for k in kohya}):
-            if name.removeprefix("lora_unet_") not in rows:  # ComfyUI's "lora key not loaded": skipped
-                print(f"merge: {name} matches no module of the model; not loaded", file=sys.stderr)
-                continue
-            down, up = kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"]
-            delta = kohya[f"{name}.alpha"].item() / down.shape[0] * (up.float() @ down.float())
-            targets = [modules[m] for m in rows[name.removeprefix("lora_unet_")]]
-            for t, block in zip(targets, torch.split(delta, [t.weight.shape[0] for t in targets])):
-                t.weight += block.to(t.weight.dtype)
-
-
 def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[str, dict[str, float | str]]:
     """The ratio of each file mutation of each exported file; caught: over the model's bound, or the loader
     refuses the file (recorded as "refused: <its error>")."""
@@ -352,7 +302,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
             from tasks.models.lycoris import apply_lycoris
 
             loaders[fmt] = "ComfyUI's LoHa/LoKr rule (apply_lycoris)"
-            apply_lycoris(_denoiser(pipe), file)
+            apply_lycoris(denoiser_of(pipe), file)
         elif merge:
             merge_kohya(pipe, file, model.removeprefix("tiny_").removeprefix("demo_").split("+")[0]
                         if fmt == "comfyui" else None)

@@ -115,8 +115,10 @@ _RULES["flux2_klein"] = [  # BFL FLUX.2 names, as diffusers' _convert_kohya_flux
 ]
 _W = r"blocks\.(\d+)\."
 _RULES["wan"] = [  # diffusers' WanTransformer3DModel -> Wan's original module names (musubi-tuner's, ComfyUI's)
-    *[(_W + f"attn{n}\\.{d}", f"blocks_{{}}_{o}_attn_{w}", 1) for n, o in (("1", "self"), ("2", "cross"))
-      for d, w in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))],
+    (_W + r"attn1\.to_q", "blocks_{}_self_attn_q", 1), (_W + r"attn1\.to_k", "blocks_{}_self_attn_k", 1),
+    (_W + r"attn1\.to_v", "blocks_{}_self_attn_v", 1), (_W + r"attn1\.to_out\.0", "blocks_{}_self_attn_o", 1),
+    (_W + r"attn2\.to_q", "blocks_{}_cross_attn_q", 1), (_W + r"attn2\.to_k", "blocks_{}_cross_attn_k", 1),
+    (_W + r"attn2\.to_v", "blocks_{}_cross_attn_v", 1), (_W + r"attn2\.to_out\.0", "blocks_{}_cross_attn_o", 1),
     (_W + r"ffn\.net\.0\.proj", "blocks_{}_ffn_0", 1),
     (_W + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
 ]
