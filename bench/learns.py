@@ -87,6 +87,8 @@ SETTINGS["tiny_qwenimage_edit"] = {**SETTINGS["tiny_qwenimage"], "control": True
 # its blocks is a default target already
 SETTINGS["tiny_wan"] = {"arch": {"num_attention_heads": 8, "attention_head_dim": 24, "ffn_dim": 256}, "rank": 16,
                         "steps": 600, "lr": 1e-2, "clip": True}
+# Wan 2.2, one LoRA on both experts (model.expert=both): the same clip, the file loaded into both experts
+SETTINGS["tiny_wan22+both"] = {**SETTINGS["tiny_wan"], "expert": "both", "steps": 900}
 # LTX-2's video stream: the same clip (9 frames = 1 + 8k, 2 latent frames of 2x2 at 64 px), ltx-trainer's targets
 SETTINGS["tiny_ltx2"] = {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "clip": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
@@ -157,6 +159,7 @@ def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]
             *([f"train.target_modules=[{','.join(s['targets'])}]"] if s.get("targets") else []),
             *([f"data.control_dirs=[{root / 'control'}]"] if s.get("control") else []),
             *([f"data.frames={FRAMES}"] if s.get("clip") else []),
+            *([f"model.expert={s['expert']}"] if s.get("expert") else []),
             *([f"model.quantize={s['quantize']}", "model.dtype=bfloat16"] if s.get("quantize") else []),
             "train.log_every=25", "train.log_with=none",
             f"sample.prompts_file={root / 'prompts.txt'}", "sample.steps=2", "export.format=both",
@@ -307,7 +310,11 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
             merge_kohya(pipe, file, model.removeprefix("tiny_").removeprefix("demo_").split("+")[0]
                         if fmt == "comfyui" else None)
         else:
-            pipe.load_lora_weights(str(file))
+            expert = SETTINGS.get(model, {}).get("expert")  # Wan 2.2: the expert(s) the LoRA was trained on
+            if expert != "low":
+                pipe.load_lora_weights(str(file))
+            if expert in ("low", "both"):
+                pipe.load_lora_weights(str(file), load_into_transformer_2=True)
         errs[fmt] = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
         ratios[fmt] = errs[fmt] / err_base
     main = "diffusers" if "diffusers" in files else sorted(files)[0]

@@ -41,7 +41,7 @@ class ModelConfig:
     # int8 / nf4: torchao's tensors, tasks/training/quantized_base.py)
     quantize: str = "none"
     max_sequence_length: int = 32
-    # Wan 2.2: high | low, the expert a run trains (tasks/models/wan22.py); null for every other family
+    # Wan 2.2: high | low, the expert a run trains, or both (one LoRA; tasks/models/wan22.py); null elsewhere
     expert: Optional[str] = None
 
 

@@ -260,6 +260,8 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
         errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "
                       "the text encoders' DoRA magnitudes have no kohya layout here; set export.format=diffusers "
                       "or drop train.text_encoder_lr")
+    if tc["network"] == "dora" and cfg["model"].get("expert") == "both":  # Wan 2.2 (tasks/models/wan22_experts.py)
+        errors.append("train.network=dora with model.expert=both: DoRA's magnitude is the base weight's norm, which differs per expert; use train.network=lora, or -m model.expert=high,low")
     swap = tc.get("blocks_to_swap", 0)
     if swap < 0 or (swap and not adapter_cls.swap_blocks):
         errors.append(f"train.blocks_to_swap={swap}: " + ("a count of blocks, 0 or more" if swap < 0 else

@@ -190,6 +190,12 @@ class FamilyAdapter(ABC):
         """The family's pipeline without text encoders, with the LoRA file loaded, or around `denoiser`,
         the model being trained (samples during training use the LoRA as it is at that step)."""
 
+    denoisers = 1  # how many denoisers training holds (Wan 2.2's model.expert=both: 2, one LoRA)
+
+    def lora_holder(self, denoiser):
+        """The module whose peft layers are the LoRA to write (the denoiser itself but for Wan 2.2's two experts)."""
+        return denoiser
+
     def live(self, denoiser) -> dict:
         """from_pretrained kwargs that plug the model being trained into a pipeline (none: load it)."""
         return {} if denoiser is None else {self.denoiser_subfolder: denoiser}

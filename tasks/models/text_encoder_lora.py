@@ -104,10 +104,11 @@ def writer(adapter, denoiser, pipe):
         extra = {} if pipe is None else {"text_encoders": {
             c: (_hub_layout(getattr(pipe, c), get_peft_model_state_dict(getattr(pipe, c))), peft_config(getattr(pipe, c)))
             for c in adapter.text_encoder_lora_modules}}
-        if lycoris.file_kind(peft_config(denoiser)):  # LoHa/LoKr: no diffusers LoRA file takes them
+        holder = adapter.lora_holder(denoiser)
+        if lycoris.file_kind(peft_config(holder)):  # LoHa/LoKr: no diffusers LoRA file takes them
             return lycoris.save_peft(Path(folder) / "pytorch_lora_weights.safetensors",
-                                     get_peft_model_state_dict(denoiser), peft_config(denoiser), adapter.denoiser_subfolder)
-        return adapter.save_lora(get_peft_model_state_dict(denoiser), folder, peft_config(denoiser), **extra)
+                                     get_peft_model_state_dict(holder), peft_config(holder), adapter.denoiser_subfolder)
+        return adapter.save_lora(get_peft_model_state_dict(holder), folder, peft_config(holder), **extra)
     return write
 
 

@@ -6,8 +6,10 @@ between them while sampling (pipelines/wan/pipeline_wan.py: `boundary_timestep`)
 (musubi-tuner's `--timestep_boundary` split; each draw is repeated from the item's own generator until it lands
 there, so a seed fixes the run), and it is that expert's LoRA file, as Wan 2.2 LoRAs are published: one per
 expert, loaded with `load_lora_weights(file)` (high) or `load_lora_weights(file, load_into_transformer_2=True)`
-(low). Both experts: two runs that share every cache, e.g. `loraflow -m model=tiny_wan22 model.expert=high,low`.
-Samples use both experts, the trained one with its LoRA."""
+(low). `model.expert=both` trains one LoRA on both experts in one run, each timestep through its expert
+(tasks/models/wan22_experts.py), as musubi-tuner's `--dit_high_noise` does; its file loads into both. Or two runs
+that share every cache: `loraflow -m model=tiny_wan22 model.expert=high,low`. Samples use both experts, the
+trained one(s) with the LoRA."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +23,7 @@ from tasks.models.wan import WanAdapter, noise_latents
 torch = lazy("torch")
 diffusers = lazy("diffusers")
 
-EXPERTS = {"high": "transformer", "low": "transformer_2"}
+EXPERTS = {"high": "transformer", "low": "transformer_2", "both": "transformer"}  # both: the file's layout is one expert's
 MAX_DRAWS = 10_000
 
 
@@ -33,12 +35,32 @@ class Wan22Adapter(WanAdapter):
     expert = "low"
     denoiser_subfolder = EXPERTS[expert]
 
+    train_version = "2"  # 2: the low expert trains on transformer_2's weights (1 loaded transformer's)
+
     def configure(self, model_cfg):
         expert = model_cfg.get("expert") or self.expert
         if expert not in EXPERTS:
-            raise ConfigError(f"model.expert={expert!r}: Wan 2.2 trains its high-noise or its low-noise expert: "
-                              "model.expert=high or model.expert=low (both: a sweep, model.expert=high,low)")
+            raise ConfigError(f"model.expert={expert!r}: Wan 2.2 trains its high-noise expert, its low-noise "
+                              "expert or one LoRA on both: model.expert=high, low or both")
         self.expert, self.denoiser_subfolder = expert, EXPERTS[expert]
+        self.denoisers = 2 if expert == "both" else 1  # both experts resident (the preflight counts them)
+
+    def load_denoiser(self):
+        if self.expert != "both":
+            return super().load_denoiser()
+        from tasks.models.wan22_experts import TwoExperts  # torch and diffusers at import: training only
+
+        high, low = (self.denoiser_cls.from_pretrained(self.model_dir, subfolder=f, dtype=self.dtype, use_safetensors=True)
+                     for f in (EXPERTS["high"], EXPERTS["low"]))
+        return TwoExperts(high, low, self.boundary)
+
+    def lora_holder(self, denoiser):
+        return denoiser.high if self.expert == "both" else denoiser  # the low expert holds the same Parameters
+
+    def live(self, denoiser):
+        if denoiser is None or self.expert != "both":
+            return super().live(denoiser)
+        return {EXPERTS["high"]: denoiser.high, EXPERTS["low"]: denoiser.low}
 
     @functools.cached_property
     def boundary(self) -> float:
@@ -65,6 +87,8 @@ class Wan22Adapter(WanAdapter):
         return noisy, noise, timesteps, sigmas
 
     def _mine(self, t) -> bool:
+        if self.expert == "both":
+            return True
         return bool(t >= self.boundary) if self.expert == "high" else bool(t < self.boundary)
 
     def load_sampler(self, lora_file, denoiser=None):
@@ -72,9 +96,12 @@ class Wan22Adapter(WanAdapter):
         if lora_file is not None:
             from tasks.models import lycoris
 
-            if self.expert == "low" and not lycoris.file_network(lora_file) and not lycoris.is_lycoris_file(lora_file):
-                pipe.load_lora_weights(str(lora_file), load_into_transformer_2=True)
-            else:
-                load_lora_file(pipe, self.denoiser_subfolder, lora_file)
+            if self.expert in ("high", "both"):
+                load_lora_file(pipe, EXPERTS["high"], lora_file)
+            if self.expert in ("low", "both"):
+                if lycoris.file_network(lora_file) or lycoris.is_lycoris_file(lora_file):
+                    load_lora_file(pipe, EXPERTS["low"], lora_file)
+                else:
+                    pipe.load_lora_weights(str(lora_file), load_into_transformer_2=True)
         pipe.set_progress_bar_config(disable=True)
         return self.place(pipe, denoiser)

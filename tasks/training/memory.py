@@ -186,7 +186,10 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, f
 
 
 def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
-             text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = ()) -> dict:
+             text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = (), copies: int = 1) -> dict:
+    """`copies`: how many denoisers of this shape training holds (Wan 2.2's two experts under one LoRA): their
+    weights count each, the LoRA and the activations once (one expert runs an item); train.blocks_to_swap takes
+    the last copy's blocks first (wan22_experts.TwoExperts.blocks)."""
     tc, mc = cfg["train"], cfg["model"]
     folder = Path(model_dir) / denoiser_folder
     config = json.loads((folder / "config.json").read_text())
@@ -198,10 +201,19 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     per_weight = weight_bytes(shapes, mc["dtype"], stored, skip)
     # train.blocks_to_swap: those blocks' Linear/Conv weights wait on the host; one layer at a time is on the
     # device (counted: the largest, in the compute dtype)
-    swapped = swapped_weights(shapes, swap_lists, tc.get("blocks_to_swap", 0)) if swap_lists else []
+    swap = tc.get("blocks_to_swap", 0)
+    per_copy = len(block_order(shapes, swap_lists)) if swap_lists else 0
+    if copies > 1 and swap > per_copy * copies:
+        from tasks.config import ConfigError
+        raise ConfigError(f"train.blocks_to_swap={swap}: the {copies} experts have {per_copy * copies} transformer "
+                          f"blocks; swap {per_copy * copies} or fewer")
+    # each copy's swapped weights, the last copy's first (a name may be swapped in several copies: a list)
+    counts = [min(per_copy, max(0, swap - c * per_copy)) for c in range(copies)] if copies > 1 else [swap]
+    swapped = [k for n in counts for k in swapped_weights(shapes, swap_lists, n)] if swap_lists else []
     host_bytes = sum(per_weight[k] for k in swapped)
     in_flight = max((_numel(shapes[k]) * _BYTES[mc["dtype"]] for k in swapped), default=0)
-    held_bytes = round(sum(per_weight.values()) - host_bytes + in_flight)
+    held_bytes = round(copies * sum(per_weight.values()) - host_bytes + in_flight)
+    params *= copies
     lora = _lora_params(shapes, targets, tc["rank"])
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
@@ -290,14 +302,15 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
                         c["model"]["max_sequence_length"], adapter.denoiser_cls if stored_as(c["model"]) else None,
-                        adapter.swap_blocks)
+                        adapter.swap_blocks, adapter.denoisers)
 
     est = estimate_for(cfg)
     limit = cfg["train"]["memory_limit_gb"]
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
     if est["total_gb"] > budget:
-        blocks = len(block_order(_weights(Path(adapter.model_dir) / adapter.denoiser_subfolder), adapter.swap_blocks))
+        blocks = adapter.denoisers * len(block_order(_weights(Path(adapter.model_dir) / adapter.denoiser_subfolder),
+                                                     adapter.swap_blocks))
         fits = fitting_settings(cfg, budget, estimate_for, blocks)
         hint = ("would fit: " + "; ".join(fits)) if fits else (
             "nothing in train.gradient_checkpointing, train.optimizer=adamw8bit, model.quantize=fp8|int8|nf4, "
