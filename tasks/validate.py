@@ -11,7 +11,7 @@ from collections import Counter
 from tasks.data import augment, controls, masks, subsets, video
 from tasks.training import memory, validation
 from tasks.models import text_encoder_lora as te_lora
-from tasks.config import ConfigError, stored_as
+from tasks.config import ConfigError
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
 from tasks.store.hashing import digest_file, key_of
 from tasks.data.image_memo import ImageMemo
@@ -202,7 +202,8 @@ def config_errors(cfg: dict) -> list[str]:
         errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
-    errors += _loss_and_network_errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"]) + validation.errors(cfg)
+    errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"])
+    errors += validation.errors(cfg)
     errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg["data"], cfg["model"]["family"], adapter_cls)
     errors += video.errors(cfg, adapter_cls)
     if cfg["data"]["random_crop"]:
@@ -260,23 +261,6 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
         errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "
                       "the text encoders' DoRA magnitudes have no kohya layout here; set export.format=diffusers "
                       "or drop train.text_encoder_lr")
-    if tc["network"] == "dora" and cfg["model"].get("expert") == "both":  # Wan 2.2 (tasks/models/wan22_experts.py)
-        errors.append("train.network=dora with model.expert=both: DoRA's magnitude is the base weight's norm, which differs per expert; use train.network=lora, or -m model.expert=high,low")
-    swap = tc.get("blocks_to_swap", 0)
-    if swap < 0 or (swap and not adapter_cls.swap_blocks):
-        errors.append(f"train.blocks_to_swap={swap}: " + ("a count of blocks, 0 or more" if swap < 0 else
-                      f"model.family={cfg['model']['family']} has no transformer blocks to swap; set it to 0"))
-    elif swap and tc["network"] == "dora":
-        errors.append("train.network=dora with train.blocks_to_swap: DoRA reads the base weights of the swapped "
-                      "blocks directly; use train.network=lora, or train.blocks_to_swap=0")
-    stored = stored_as(cfg["model"])
-    if tc["network"] == "dora" and stored and stored != "int8":
-        # DoRA reads the base weight for its norm directly, past the stored base's autograd cast; peft
-        # dequantizes torchao's Int8Tensor there (dequantize_module_weight), not an fp8 or NF4 weight
-        key = f"model.quantize={cfg['model']['quantize']}" if cfg["model"].get("quantize", "none") != "none" else \
-            f"model.storage_dtype={cfg['model']['storage_dtype']}"
-        errors.append(f"train.network=dora with {key}: DoRA reads the base weights for its norm; keep the base in "
-                      "the compute dtype or use model.quantize=int8 (or train.network=lora)")
     return errors
 
 

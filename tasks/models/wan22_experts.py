@@ -53,9 +53,9 @@ class TwoExperts(torch.nn.Module):
         self.low.add_adapter(copy.deepcopy(config))
         tie_adapters(self.high, self.low)
 
-    def enable_gradient_checkpointing(self) -> None:
-        self.high.enable_gradient_checkpointing()
-        self.low.enable_gradient_checkpointing()
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+        self.high.enable_gradient_checkpointing(gradient_checkpointing_func)
+        self.low.enable_gradient_checkpointing(gradient_checkpointing_func)
 
     def forward(self, hidden_states, timestep, return_dict: bool = False, **kwargs):
         """The experts' prediction per item (a tuple, as the adapters call the denoiser with return_dict=False)."""

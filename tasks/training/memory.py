@@ -224,13 +224,44 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
     unit = tokens * width * act_dtype * tc["batch_size"]
     per_block, ckpt_input, recompute = activation_factors(config)
-    if tc["gradient_checkpointing"]:
+    if tc["gradient_checkpointing"] and tc.get("gradient_checkpointing_offload"):
+        # each block's input (one token x width value each) waits on the host; one is back for its recompute
+        activations = (blocks * (ckpt_input - 1) + 1 + recompute) * unit
+        host_bytes += blocks * unit
+    elif tc["gradient_checkpointing"]:
         activations = (blocks * ckpt_input + recompute) * unit
     else:
         activations = blocks * per_block * unit
     total = held_bytes + lora_bytes + activations
     return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
             "activations_gb": activations / GB, "total_gb": total / GB, "host_gb": host_bytes / GB}
+
+
+def errors(cfg: dict, adapter_cls) -> list[str]:
+    """The memory options' refusals (validate's config_errors): each names its keys and the fix."""
+    tc, out = cfg["train"], []
+    if tc["network"] == "dora" and cfg["model"].get("expert") == "both":  # Wan 2.2 (tasks/models/wan22_experts.py)
+        out.append("train.network=dora with model.expert=both: DoRA's magnitude is the base weight's norm, which "
+                   "differs per expert; use train.network=lora, or -m model.expert=high,low")
+    if tc.get("gradient_checkpointing_offload") and not tc["gradient_checkpointing"]:
+        out.append("train.gradient_checkpointing_offload=true keeps what checkpointing saves on the host: set "
+                   "train.gradient_checkpointing=true too (or drop the offload)")
+    swap = tc.get("blocks_to_swap", 0)
+    if swap < 0 or (swap and not adapter_cls.swap_blocks):
+        out.append(f"train.blocks_to_swap={swap}: " + ("a count of blocks, 0 or more" if swap < 0 else
+                   f"model.family={cfg['model']['family']} has no transformer blocks to swap; set it to 0"))
+    elif swap and tc["network"] == "dora":
+        out.append("train.network=dora with train.blocks_to_swap: DoRA reads the base weights of the swapped "
+                   "blocks directly; use train.network=lora, or train.blocks_to_swap=0")
+    stored = stored_as(cfg["model"])
+    if tc["network"] == "dora" and stored and stored != "int8":
+        # DoRA reads the base weight for its norm directly, past the stored base's autograd cast; peft
+        # dequantizes torchao's Int8Tensor there (dequantize_module_weight), not an fp8 or NF4 weight
+        key = f"model.quantize={cfg['model']['quantize']}" if cfg["model"].get("quantize", "none") != "none" else \
+            f"model.storage_dtype={cfg['model']['storage_dtype']}"
+        out.append(f"train.network=dora with {key}: DoRA reads the base weights for its norm; keep the base in "
+                   "the compute dtype or use model.quantize=int8 (or train.network=lora)")
+    return out
 
 
 def available_gb() -> tuple[float, str]:
@@ -257,6 +288,8 @@ REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpoint
             ("model.quantize=nf4", ("model", "quantize"), "nf4"),
             ("train.batch_size=1", ("train", "batch_size"), 1))
 _QUANTIZE = ("fp8", "int8", "nf4")
+# with checkpointing (the combined search only): the saved block inputs on the host (offload_checkpoint.py)
+OFFLOAD = ("train.gradient_checkpointing_offload=true", ("train", "gradient_checkpointing_offload"), True)
 
 
 def _with(cfg: dict, changes: list[tuple]) -> dict:
@@ -282,14 +315,17 @@ def fitting_settings(cfg: dict, budget_gb: float, estimate_fn, max_swap: int = 0
         return fits
     base = [r for r in open_ if r[1][1] in ("gradient_checkpointing", "optimizer")]
     stores = [[]] + [[r] for r in open_ if r[1][1] == "quantize"]
+    offloads = [[]] + ([] if cfg["train"].get("gradient_checkpointing_offload") else [[OFFLOAD]])
     for swap in range(0, max_swap + 1):  # the fewest blocks swapped (each costs a copy a step), then the
-        for store in stores:              # least quantized base
-            changes = base + store + ([(f"train.blocks_to_swap={swap}", ("train", "blocks_to_swap"), swap)] if swap else [])
-            if not changes:
-                continue
-            gb = estimate_fn(_with(cfg, changes))["total_gb"]
-            if gb <= budget_gb:
-                return [" ".join(c[0] for c in changes) + f" ({gb:.1f} GiB)"]
+        for offload in offloads:          # activations kept on the device, then the least quantized base
+            for store in stores:
+                changes = base + offload + store + (
+                    [(f"train.blocks_to_swap={swap}", ("train", "blocks_to_swap"), swap)] if swap else [])
+                if not changes:
+                    continue
+                gb = estimate_fn(_with(cfg, changes))["total_gb"]
+                if gb <= budget_gb:
+                    return [" ".join(c[0] for c in changes) + f" ({gb:.1f} GiB)"]
     return []
 
 
@@ -313,7 +349,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
                                                      adapter.swap_blocks))
         fits = fitting_settings(cfg, budget, estimate_for, blocks)
         hint = ("would fit: " + "; ".join(fits)) if fits else (
-            "nothing in train.gradient_checkpointing, train.optimizer=adamw8bit, model.quantize=fp8|int8|nf4, "
+            "nothing in train.gradient_checkpointing (+_offload), train.optimizer=adamw8bit, model.quantize=fp8|int8|nf4, "
             f"train.blocks_to_swap (up to {blocks}) or train.batch_size=1 fits: use a smaller data.resolution or a "
             "bigger device")
         raise ConfigError(

@@ -21,7 +21,8 @@ _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_ste
 # validate_every_n_steps changes no weight: the validation losses are stored with the LoRA as computed.
 _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port",  # (every machine: one key)
             "validate_every_n_steps",
-            "blocks_to_swap")  # where weights wait between uses: the same LoRA bytes (tests/test_block_swap.py)
+            "blocks_to_swap",  # where weights wait between uses: the same LoRA bytes (tests/test_block_swap.py)
+            "gradient_checkpointing_offload")  # likewise, saved activations (tests/test_offload_checkpoint.py)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes

@@ -131,7 +131,11 @@ def prepare_denoiser(adapter, cfg: dict):
         from tasks.training.block_swap import swap_blocks
 
         swap_blocks(denoiser, adapter.swap_blocks, tc["blocks_to_swap"], adapter.dtype)
-    if tc["gradient_checkpointing"]:
+    if tc["gradient_checkpointing"] and tc.get("gradient_checkpointing_offload"):
+        from tasks.training.offload_checkpoint import offloaded_checkpoint
+
+        denoiser.enable_gradient_checkpointing(offloaded_checkpoint)
+    elif tc["gradient_checkpointing"]:
         denoiser.enable_gradient_checkpointing()
     return denoiser, named
 
