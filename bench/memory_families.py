@@ -5,8 +5,9 @@ configs, 1024x1024, 512 text tokens, rank 16 on each family's default targets, A
 
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]
 
-Options: `bf16` | `fp8` | `int8` | `nf4` (the base as stored), `+ckpt` (gradient checkpointing), `+swapN`
-(train.blocks_to_swap=N). Per row:
+Options: `bf16` | `fp8` | `int8` | `nf4` (the base as stored), `+ckpt` (gradient checkpointing), `+offload`
+(train.gradient_checkpointing_offload: the checkpointed inputs in host memory), `+swapN` (train.blocks_to_swap=N).
+Per row:
 - measured_gib: what the device holds during a step: the weights that stay (each quantized Linear's bytes
   are those of torchao's own tensor of that shape, quantized here from real random weights; the fp8 and bf16
   ones their element size), the largest swapped layer in flight in bf16, LoRA + gradients + AdamW, and the
@@ -14,7 +15,8 @@ Options: `bf16` | `fp8` | `int8` | `nf4` (the base as stored), `+ckpt` (gradient
   through saved_tensors_hooks under FakeTensorMode (bench/memory.py's method; activations do not depend on
   how the base is stored: every storage path saves its weight, a parameter, not an activation).
 - preflight_gib: tasks.training.memory.estimate for the same settings, as the validate node computes it.
-- host_gib: the swapped blocks' stored weights, held in host memory."""
+- host_gib: the swapped blocks' stored weights and, with +offload, the checkpointed inputs save_on_cpu took
+  (distinct storages, counted as it packs them), held in host memory."""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +32,7 @@ ROWS = ("flux_dev:nf4+ckpt", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
         "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
         "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16",
         "wan14b:int8+ckpt", "wan14b:nf4+ckpt", "wan14b:int8+ckpt+swap20", "wan14b_81f:nf4+ckpt",
-        "wan14b_81f:nf4+ckpt+swap30")
+        "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload")
 # A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
 # 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
 GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81)}
@@ -55,7 +57,7 @@ def _models() -> dict:
 def parse(options: str) -> dict:
     parts = options.split("+")
     swap = next((int(p[4:]) for p in parts if re.fullmatch(r"swap\d+", p)), 0)
-    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap}
+    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap, "offload": "offload" in parts}
 
 
 def _adapter(model: str, device):
@@ -109,11 +111,13 @@ def _cfg(opts: dict, text_len: int, rank: int, frames: int = 1) -> dict:
     return {"data": {"frames": frames}, "model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
                       "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
             "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
-                      "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"]}}
+                      "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"],
+                      "gradient_checkpointing_offload": opts.get("offload", False)}}
 
 
-def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int) -> dict:
-    """LoRA parameters, their gradients' bytes and the activations of one bf16 step (fake tensors)."""
+def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
+    """LoRA parameters, their gradients' bytes and the activations of one bf16 step (fake tensors); with
+    `offload`, what save_on_cpu takes to the host ("host_bytes") is not among what the graph keeps."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -122,17 +126,41 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
     from tasks.training.train_setup import prepare_denoiser
 
     adapter, _, _ = _adapter(model, torch.device("meta"))
-    den, named = prepare_denoiser(adapter, _cfg({"store": "bf16", "ckpt": ckpt, "swap": 0}, text_len, rank))
+    den, named = prepare_denoiser(adapter, _cfg({"store": "bf16", "ckpt": ckpt, "swap": 0, "offload": offload}, text_len, rank))
     den.train()
     scheduler = FlowMatchEulerDiscreteScheduler()  # real tensors: made outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     params = _to_fake(den, list(named.values()), mode)
-    with mode:
+    with mode, _host_counted() as host:
         latents, text = _inputs(model, dict(den.config), resolution, text_len)
         grads, saved, recompute = count_step(adapter, den, params, latents, text, scheduler)
         out = {"lora_params": sum(p.numel() for p in params), "lora_grad_bytes": grads,
-               "activation_bytes": saved + recompute}
+               "activation_bytes": saved + recompute, "host_bytes": sum(host.values())}
     return out
+
+
+@contextlib.contextmanager
+def _host_counted():
+    """{storage: bytes} of what offload_checkpoint's save_on_cpu packs while the context is open."""
+    from tasks.training import offload_checkpoint
+
+    original, seen = offload_checkpoint.save_on_cpu, {}
+
+    class Counting(original):
+        def __init__(self, pin_memory=False):
+            super().__init__(pin_memory)
+            pack = self.pack_hook
+
+            def counted(t):
+                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+                return pack(t)
+            self.pack_hook = counted
+
+    offload_checkpoint.save_on_cpu = Counting
+    try:
+        yield seen
+    finally:
+        offload_checkpoint.save_on_cpu = original
 
 
 @functools.lru_cache(maxsize=64)
@@ -205,13 +233,13 @@ def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, ra
     t0 = time.perf_counter()
     model, options = name.split(":")
     opts = parse(options)
-    a = acts or activations(model, opts["ckpt"], resolution, text_len, rank)
+    a = acts or activations(model, opts["ckpt"], resolution, text_len, rank, opts["offload"])
     w = weights(model, opts)
     lora_bytes = a["lora_params"] * (4 + 8) + a["lora_grad_bytes"]  # fp32 weights, AdamW's moments, grads
     measured = w["device"] + lora_bytes + a["activation_bytes"]
     est = preflight(name, folder, resolution, text_len, rank)
     return {"name": name, "measured_gib": measured / GIB, "preflight_gib": est["total_gb"],
-            "host_gib": w["host"] / GIB, "preflight_host_gib": est["host_gb"],
+            "host_gib": (w["host"] + a.get("host_bytes", 0)) / GIB, "preflight_host_gib": est["host_gb"],
             "estimate_error": est["total_gb"] / (measured / GIB) - 1, "weights_gib": w["device"] / GIB,
             "preflight_weights_gib": est["weights_gb"], "activations_gib": a["activation_bytes"] / GIB,
             "preflight_activations_gib": est["activations_gb"], "lora_params": a["lora_params"],
@@ -224,9 +252,10 @@ def rows(names, folder: Path, **kw) -> list[dict]:
     memo, out = {}, []
     for name in names:
         model, options = name.split(":")
-        key = (model, parse(options)["ckpt"])
+        key = (model, parse(options)["ckpt"], parse(options)["offload"])
         if key not in memo:
-            memo[key] = activations(model, key[1], kw.get("resolution", 1024), kw.get("text_len", 512), kw.get("rank", 16))
+            memo[key] = activations(model, key[1], kw.get("resolution", 1024), kw.get("text_len", 512), kw.get("rank", 16),
+                                    key[2])
         out.append(row(name, folder, acts=memo[key], **kw))
         r = out[-1]
         print(f"  {name:<28} measured {r['measured_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} GiB "
@@ -239,12 +268,13 @@ def rows(names, folder: Path, **kw) -> list[dict]:
 GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24, "wan14b": 24}  # GiB: the issue's goals for some row of each
 CARDS = (12, 16, 24, 48, 80)  # GB on the box
 MARGIN_GIB = 1.0  # CUDA context and allocator: an H200's peaks were 0.46-0.47 GiB above bench.memory's figures
-LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt")  # the least change first
+LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt", "nf4+ckpt+offload")  # the least change first
 
 
 def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16) -> str:
     """The first setting whose preflight estimate leaves MARGIN_GIB free on a card of `card_gb` GB (1e9 bytes:
-    cards are sold in GB): the ladder, then NF4 with the fewest blocks swapped."""
+    cards are sold in GB): the ladder, then NF4 with the checkpointed inputs on the host and the fewest blocks
+    swapped."""
     import torch
 
     from tasks.training.memory import block_order, estimate, lora_targets, _weights
@@ -261,7 +291,7 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
                         text_len, cls, adapter.swap_blocks)["total_gb"]
 
     n_blocks = len(block_order(_weights(head / "transformer"), adapter.swap_blocks))
-    for options in [*LADDER, *(f"nf4+ckpt+swap{n}" for n in range(1, n_blocks + 1))]:
+    for options in [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:
         if (gb := total(options)) <= budget:
             return f"{options} ({gb:.1f} GiB)"
     return "does not fit"
@@ -293,7 +323,7 @@ def main(out: Path, only: str | None) -> int:
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
                            for m, g in GOALS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in GOALS}
+        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in (*GOALS, "wan14b_81f")}
     doc["families_seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(doc, indent=1, default=list))
     cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["cards"].items())
