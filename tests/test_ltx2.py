@@ -203,3 +203,48 @@ def test_whole_dag_on_the_demo_clips(tmp_path):
     assert [inspect_clip(p)[1].frames for p in art["samples"]] == [9, 9]  # data.frames; --f 9 on the second line
     with pytest.raises(ConfigError, match="renders sides of 64 px or more"):
         validate.run(cfg("data.resolution=32"), store)
+
+
+# ComfyUI's LTX-2 model (comfy/ldm/lightricks/av_model.py at ComfyUI commit b321b7a28d7c62626f728db1c67555637d080a76:
+# LTXAVModel's `transformer_blocks.N` are BasicAVTransformerBlock, whose video stream is attn1 / attn2 (model.py's
+# CrossAttention: to_q, to_k, to_v, to_out.0) and ff (FeedForward: net.0 = GELU_approx's proj, net.2), the audio
+# stream audio_attn1 / audio_attn2 / audio_ff, and audio_to_video_attn / video_to_audio_attn between them).
+COMFY_BLOCK = {f"{a}.{p}" for a in ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn",
+                                    "video_to_audio_attn") for p in ("to_q", "to_k", "to_v", "to_out.0")} | {
+    f"{f}.{p}" for f in ("ff", "audio_ff") for p in ("net.0.proj", "net.2")}
+
+
+def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
+    """Every key of the LTX-2 kohya file (= its ComfyUI file) is read by ComfyUI's generic `lora_unet_<model key>`
+    rule (tests/test_comfyui_keys.py restates it) against ComfyUI's own block names, and merges to the PEFT LoRA's
+    delta: no 'lora key not loaded'."""
+    import re
+
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from test_comfyui_keys import REL, _comfyui_merge
+
+    from tasks.training.export import to_kohya
+    from tasks.training.export_comfyui import comfyui_loads_kohya
+
+    den = adapter.load_denoiser()
+    linears = {n: m for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_blocks = {n: m for n, m in linears.items() if re.match(r"transformer_blocks\.\d+\.", n)}
+    # ComfyUI's keys for the block Linears, by its names (the diffusers names of these modules are the same)
+    comfy_keys = {n: (m.out_features, m.in_features) for n, m in in_blocks.items()
+                  if n.split(".", 2)[2] in COMFY_BLOCK}
+    den.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=adapter.default_lora_targets()))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in den.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    sd = get_peft_model_state_dict(den)
+    modules = {k.rsplit(".lora_", 1)[0] for k in sd}
+    assert modules and modules <= set(comfy_keys)  # every trained module is one of ComfyUI's
+    merged = _comfyui_merge("ltx2", to_kohya("ltx2", sd, 4, 8), comfy_keys)  # fails on a key left unread
+    assert set(merged) == modules
+    for m in modules:
+        want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
+        assert (merged[m] - want).abs().max() <= REL * want.abs().max(), m
+    assert comfyui_loads_kohya("ltx2")
