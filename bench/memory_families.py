@@ -1,7 +1,8 @@
 """Memory of the big bases with `model.quantize` and `train.blocks_to_swap`: rows `<model>:<options>` of
 `python -m bench.memory` (contract), FLUX.1-dev, Qwen-Image (20.4 B) and FLUX.2 [dev] (32.2 B) at their real
 configs, 1024x1024, 512 text tokens, rank 16 on each family's default targets, AdamW, bf16 autocast; and Wan 2.1
-14B (`wan14b`) at its model card's 480x832, 81 frames (21 latent frames: 32,760 video tokens).
+14B (`wan14b`) at its model card's 480x832, 81 frames (21 latent frames: 32,760 video tokens); LTX-2 (`ltx2`, its
+video stream; the audio stream one token, as tasks/models/ltx2.py trains) at 768x512, 121 and 49 frames.
 
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]
 
@@ -32,10 +33,12 @@ ROWS = ("flux_dev:nf4+ckpt", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
         "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
         "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16",
         "wan14b:int8+ckpt", "wan14b:nf4+ckpt", "wan14b:int8+ckpt+swap20", "wan14b_81f:nf4+ckpt",
-        "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload")
+        "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
+        "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt")
 # A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
 # 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
-GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81)}
+GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81), "ltx2": ((768, 512), 121),
+            "ltx2_49f": ((768, 512), 49)}
 
 
 def _size(model: str, resolution: int) -> tuple[tuple[int, int], int]:
@@ -51,7 +54,10 @@ def _models() -> dict:
             "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "Flux2Transformer2DModel", {}),
             # WanTransformer3DModel's defaults are Wan-AI/Wan2.1-T2V-14B's config (5120 wide, 40 blocks)
             "wan14b": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
-            "wan14b_81f": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {})}
+            "wan14b_81f": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
+            # LTX2VideoTransformer3DModel's defaults are Lightricks/LTX-2's (48 blocks, 4096 wide video stream)
+            "ltx2": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {}),
+            "ltx2_49f": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {})}
 
 
 def parse(options: str) -> dict:
@@ -94,6 +100,12 @@ def _inputs(model: str, config: dict, resolution: int, text_len: int):
         from bench.gpu import inputs
 
         return inputs(config, resolution, text_len, 1, torch.device("cpu"))
+    if model.startswith("ltx2"):  # 128-channel latents (/8 in time, /32 in space); the connectors' video and audio text
+        (w, h), frames = _size(model, resolution)
+        return z(1, 128, 1 + (frames - 1) // 8, h // 32, w // 32), {
+            "prompt_embeds": z(1, text_len, config["caption_channels"]),
+            "audio_prompt_embeds": z(1, text_len, config["caption_channels"]),
+            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}
     if model.startswith("wan14b"):  # 16-channel latents of the video VAE (/4 in time, /8 in space); UMT5 states
         (w, h), frames = _size(model, resolution)
         return z(1, 16, 1 + (frames - 1) // 4, h // 8, w // 8), {"prompt_embeds": z(1, text_len, config["text_dim"])}
@@ -323,7 +335,7 @@ def main(out: Path, only: str | None) -> int:
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
                            for m, g in GOALS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in (*GOALS, "wan14b_81f")}
+        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in (*GOALS, "wan14b_81f", "ltx2")}
     doc["families_seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(doc, indent=1, default=list))
     cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["cards"].items())

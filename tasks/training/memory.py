@@ -5,8 +5,8 @@ would make it fit.
 
 The activation term is linear in tokens x width per block, with constants measured by `python -m bench.memory`
 on FLUX.1-dev (bf16 autocast, rank 16, 1024 and 512 px + 512 text tokens; bench/memory.json): what autograd
-saves, counted from real tensor shapes. For SD3 and the UNets the same constants are a rule of thumb, not
-measured. Transient buffers, the CUDA context and fragmentation are not in it: `bench/gpu.py` measures a GPU's
+saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise). For SD3 and the UNets the
+Flux constants are a rule of thumb, not measured. Transient buffers, the CUDA context and fragmentation are not in it: `bench/gpu.py` measures a GPU's
 real peak."""
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ RECOMPUTE_FACTOR = 22.5  # one block's internals while its recompute is held in 
 # Wan's blocks save more per token (fp32 norms, cross-attention, a 2.7x FFN): measured on Wan 2.1 14B at 480x832,
 # 33 and 81 frames (bench.memory --families: 1228.3/1222.7 per 40 blocks without checkpointing, 72.9/72.7 with)
 WAN_FACTORS = (30.7, 1.03, 31.6)
+# LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
+# frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
+LTX2_FACTORS = (37.0, 1.03, 40.0)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
@@ -144,8 +147,10 @@ def stored_bytes(numel: int, storage: str) -> float:
 
 def activation_factors(config: dict) -> tuple[float, float, float]:
     """(per block, per checkpointed block, one recompute) in saved values per token x width, for this denoiser."""
-    if ("freq_dim" in config and "text_dim" in config) or "audio_in_channels" in config:
-        return WAN_FACTORS  # LTX-2: Wan's block shape (self-, cross-attention, FFN) as the nearest; not measured
+    if "audio_in_channels" in config:
+        return LTX2_FACTORS
+    if "freq_dim" in config and "text_dim" in config:
+        return WAN_FACTORS
 
     return ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR
 
