@@ -47,6 +47,9 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
             p.add_argument("--model", metavar="MODEL_DIR", help="the base model's diffusers folder: its module names "
                            "and widths for a format conversion (default: the family's largest released layout)")
 
+    def expert(p):
+        p.add_argument("--expert", help="a model with several denoisers (Wan 2.2: high or low): the one to use")
+
     def fmt(p, default="the input's"):
         p.add_argument("--format", choices=FORMATS, help=f"output layout (default: {default})")
 
@@ -77,6 +80,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
                          "A1111's model.diffusion_model.*)")
     fmt(p_merge, "the first input's")
     family(p_merge)
+    expert(p_merge)
     p_merge.add_argument("-v", "--verbose", action="store_true", help="one line per module")
 
     p_convert = parser("convert", "rewrite a LoRA in the other layout",
@@ -96,6 +100,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     p_extract.add_argument("--device", help="where the SVDs run (default: cuda when there is one, else cpu)")
     fmt(p_extract, "kohya")
     family(p_extract, model=False)
+    expert(p_extract)
     p_extract.add_argument("-v", "--verbose", action="store_true", help="one line per module")
     return {"resize": p_resize, "merge": p_merge, "convert": p_convert, "extract": p_extract}
 
@@ -129,7 +134,7 @@ def _family(args, loras=(), model: tuple[str, str | None] = ("", None), needed: 
 def _shapes(args, family):
     """(Linear shapes, exact) for a name conversion: --model's config, else the family's widest layout."""
     if getattr(args, "model", None):
-        den = models.locate(args.model, "--model")
+        den = models.locate(args.model, "--model", any_expert=True)
         if den.family and den.family != family:
             raise LoraToolError(f"--model {args.model} is a {den.family} model, the LoRA is for {family}")
         return names.linear_shapes(family, den.config), den.config is not None
@@ -209,6 +214,8 @@ def _merge(args) -> int:
     weights = _weights(args, len(inputs))
     if args.into_base:
         return _into_base(args, inputs, out, weights)
+    if args.expert:
+        raise LoraToolError("--expert picks the base model's denoiser: it applies with --into-base only")
     loras = [read_lora(p) for p in inputs]
     fmt = args.format or loras[0].format
     family = _family(args, loras, needed=any(lora.format != fmt for lora in loras))
@@ -234,7 +241,7 @@ def _into_base(args, inputs, out, weights) -> int:
     if args.format or args.rank or args.model:
         raise LoraToolError("--format, --rank and --model do not apply with --into-base (its output is a model; "
                             "--layout picks its keys)")
-    den = models.locate(args.into_base, "--into-base")
+    den = models.locate(args.into_base, "--into-base", args.expert)
     if den.config is None:
         raise LoraToolError(f"--into-base {args.into_base}: give the model's diffusers folder, not a single file")
     loras = [read_lora(p) for p in inputs]
@@ -256,10 +263,10 @@ def _into_base(args, inputs, out, weights) -> int:
         n = ops.apply(state_dict, {k.split(".", 1)[1]: p for k, p in modules.items()}, w, str(lora.path))
         print(f"{lora.path}: {n} weights changed at weight {w:g}")
     meta = {"format": "pt", "loraflow_family": family, "loraflow_layout": args.layout,
-            "loraflow_base_model": str(Path(args.into_base).name),
+            "loraflow_base_model": str(Path(args.into_base).name), **({"loraflow_expert": args.expert} if args.expert else {}),
             "loraflow_merged_loras": repr([(Path(p).name, w) for p, w in zip(inputs, weights)])}
     path = models.write_denoiser(out, state_dict, args.layout, family, den.config, meta)
-    print(f"wrote {path} ({family} {den.component}, {args.layout} layout, {len(state_dict)} tensors)")
+    print(f"wrote {path} ({family} {den.files[0].parent.name}, {args.layout} layout, {len(state_dict)} tensors)")
     return 0
 
 
@@ -276,7 +283,7 @@ def _convert(args) -> int:
 def _extract(args) -> int:
     import torch
 
-    base, tuned = models.locate(args.base, "--base"), models.locate(args.tuned, "--tuned")
+    base, tuned = models.locate(args.base, "--base", args.expert), models.locate(args.tuned, "--tuned", args.expert)
     _check_out(args.out, [*base.files, *tuned.files])
     fmt = args.format or KOHYA
     if base.family and tuned.family and base.family != tuned.family:

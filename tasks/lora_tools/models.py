@@ -42,27 +42,46 @@ def pipeline_family(model_dir: Path, what: str) -> str | None:
     if not index.is_file():
         return None
     try:
-        name = json.loads(index.read_text()).get("_class_name")
+        parts = json.loads(index.read_text())
     except ValueError:
         raise LoraToolError(f"{what}: {index} is not JSON") from None
-    for family in FAMILIES:
-        # the LazyClass's name, read without importing the pipeline (which imports transformers' processors)
-        if inspect.getattr_static(adapter_class(family), "pipeline_cls").name == name:
-            return family
+    name = parts.get("_class_name")
+    # the LazyClass's name, read without importing the pipeline (which imports transformers' processors)
+    found = [f for f in FAMILIES if inspect.getattr_static(adapter_class(f), "pipeline_cls").name == name]
+    # families sharing a pipeline class (Wan 2.1 and 2.2: WanPipeline) differ in the denoisers the folder has
+    found = [f for f in found if all((parts.get(c) or [None])[0] for c in adapter_class(f).denoiser_components)]
+    if found:
+        return max(found, key=lambda f: len(adapter_class(f).denoiser_components))
     raise LoraToolError(f"{what}: a {name} folder; loraflow knows the pipelines of {', '.join(FAMILIES)}")
 
 
-def locate(path, what: str) -> Denoiser:
-    """Where a denoiser's weights and config are, checked (headers only: no weights are read here)."""
+def locate(path, what: str, expert: str | None = None, any_expert: bool = False) -> Denoiser:
+    """Where a denoiser's weights and config are, checked (headers only: no weights are read here). A pipeline
+    with several denoisers (Wan 2.2's experts) needs `expert`, one of its adapter's `experts` (`any_expert`:
+    the first, where only the names and widths are read: the experts share them)."""
+    from tasks.models import adapter_class
+
     p = Path(path)
     if not p.exists():
         raise LoraToolError(f"{what} {path}: no such file or folder")
     if p.is_file():
+        if expert:
+            raise LoraToolError(f"--expert {expert}: {what} {path} is one file (one denoiser); drop --expert")
         read_header(p, f"{what} {path}")
         return Denoiser(p, None, None, [p], None)
     family = pipeline_family(p, f"{what} {path}")
+    experts = adapter_class(family).experts if family else {}
+    if expert is not None and expert not in experts:
+        raise LoraToolError(f"--expert {expert}: " + (f"{what} {path} has the experts {', '.join(experts)}" if experts
+                            else f"{what} {path} is a one-denoiser model; drop --expert"))
+    if experts and expert is None and any_expert:
+        expert = next(iter(experts))
+    if experts and expert is None:
+        raise LoraToolError(f"{what} {path}: a {family} model has {len(experts)} denoisers: pass --expert "
+                            f"{' or --expert '.join(experts)} (a LoRA for all of them: once per expert)")
     if family is not None:
-        subs = [p / s for s in ("transformer", "unet") if (p / s / "config.json").is_file()]
+        subs = [p / s for s in ((experts[expert],) if experts else ("transformer", "unet"))
+                if (p / s / "config.json").is_file()]
         if not subs:
             raise LoraToolError(f"{what} {path}: the pipeline folder has no transformer/ or unet/ subfolder")
         sub = subs[0]
@@ -74,8 +93,9 @@ def locate(path, what: str) -> Denoiser:
         config = json.loads((sub / "config.json").read_text())
     except ValueError:
         raise LoraToolError(f"{what}: {sub / 'config.json'} is not JSON") from None
-    component = sub.name if sub.name in ("transformer", "unet") else \
-        "unet" if "UNet" in str(config.get("_class_name")) else "transformer"
+    component = (adapter_class(family).lora_file_component if family else None) or (  # the LoRA files' prefix
+        sub.name if sub.name in ("transformer", "unet") else "unet" if "UNet" in str(config.get("_class_name"))
+        else "transformer")
     index = sub / f"{_WEIGHTS}.index.json"
     if index.is_file():  # sharded: the index names the shards
         files = sorted({sub / f for f in json.loads(index.read_text())["weight_map"].values()})

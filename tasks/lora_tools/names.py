@@ -33,10 +33,12 @@ _WIDEST = {
 
 
 def denoiser_component(family: str) -> str:
-    """The pipeline folder's denoiser subfolder, which is also the diffusers LoRA keys' prefix."""
+    """The diffusers LoRA keys' prefix: the pipeline folder's denoiser subfolder (Wan 2.2: `transformer` for
+    either expert's file)."""
     from tasks.models import adapter_class
 
-    return adapter_class(family).denoiser_subfolder
+    cls = adapter_class(family)
+    return cls.lora_file_component or cls.denoiser_subfolder
 
 
 def linear_shapes(family: str | None, config: dict | None = None) -> dict[str, tuple[int, int]]:

@@ -91,6 +91,11 @@ class FamilyAdapter(ABC):
     pipeline_cls: type
     denoiser_cls: type
     denoiser_subfolder: str
+    # The diffusers LoRA file's key prefix where it is not denoiser_subfolder (Wan 2.2: either expert's file is
+    # `transformer.*`, loaded into transformer_2 by load_into_transformer_2=True)
+    lora_file_component: str | None = None
+    # A model with several denoisers: {name: subfolder} (Wan 2.2: high / low), for loraflow-lora's --expert
+    experts: dict[str, str] = {}
 
     def convert_single_file(self, file: Path, out_dir: Path) -> None:
         """Read a single-file checkpoint with diffusers' from_single_file (configs from self.model_dir, no

@@ -34,6 +34,8 @@ class Wan22Adapter(WanAdapter):
     sample_components = ("transformer", "transformer_2", "vae", "scheduler")
     expert = "low"
     denoiser_subfolder = EXPERTS[expert]
+    lora_file_component = "transformer"  # every expert's file (save_lora_weights' transformer_lora_layers)
+    experts = {"high": EXPERTS["high"], "low": EXPERTS["low"]}
 
     train_version = "2"  # 2: the low expert trains on transformer_2's weights (1 loaded transformer's)
 
