@@ -1,7 +1,7 @@
 """loraflow-lora on Wan files (tasks/lora_tools): Wan 2.2's files have one expert's layout (`transformer.*` in
 diffusers, musubi-tuner's names in kohya) whichever expert they were trained on; resize, convert and merge keep it;
 a Wan 2.2 folder is told from a Wan 2.1 one (both WanPipeline) by its second expert; merge --into-base and extract
-take `--expert high|low` there and refuse to guess. Tolerances: tests/test_lora_tools.py's (float32 unit roundoff
+take `--expert high|low` there and refuse to guess. LTX-2's files convert and merge too. Tolerances: tests/test_lora_tools.py's (float32 unit roundoff
 u: a folded scale moves a delta by u * |s| * (|up| @ |down|); a merged weight is one float32 rounding of a float64
 sum; an SVD of a rank-2 change keeps it to its files' rounding)."""
 from __future__ import annotations
@@ -112,3 +112,39 @@ def test_extract_from_one_expert(wan22, tmp_path, capsys):
     assert run("extract", "--base", wan22, "--tuned", tuned, "--expert", "high", "--rank", 2, tmp_path / "y.safetensors",
                "--device", "cpu") == 2  # the high expert is unchanged
     assert "nothing to extract" in capsys.readouterr().err
+
+
+def test_ltx2_files_round_trip_and_merge_into_the_base(tmp_path):
+    """LTX-2's kohya file (diffusers' names, as LTX-2's own code has them) converts to the diffusers file's deltas
+    and merges into the transformer's weights."""
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    from tasks.models.ltx2 import LTX2Adapter
+    from tasks.models.tiny_ltx2 import build_tiny_ltx2
+
+    model = build_tiny_ltx2(tmp_path / "ltx2")
+    den = LTX2VideoTransformer3DModel.from_pretrained(model, subfolder="transformer")
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LTX2Adapter.LORA_TARGETS)
+    den.add_adapter(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    sd = get_peft_model_state_dict(den)
+    LTX2Pipeline.save_lora_weights(tmp_path, transformer_lora_layers=sd, transformer_lora_adapter_metadata=config.to_dict())
+    save_kohya(tmp_path / "lora_kohya.safetensors", "ltx2", sd, RANK, ALPHA, kohya_metadata("ltx2", RANK, ALPHA))
+    factors = {f"transformer.{k[: -len('.lora_A.weight')]}": (v, sd[k.replace("lora_A", "lora_B")], ALPHA / RANK)
+               for k, v in sd.items() if k.endswith(".lora_A.weight")}
+    ref = {m: s * (b.double() @ a.double()) for m, (a, b, s) in factors.items()}
+    conv = tmp_path / "conv.safetensors"
+    assert run("convert", "--format", "diffusers", tmp_path / "lora_kohya.safetensors", conv) == 0
+    assert_deltas(deltas(conv), ref, fold_bound(factors), "ltx2 kohya -> diffusers")
+    assert_deltas(deltas(tmp_path / "pytorch_lora_weights.safetensors"), ref, fold_bound(factors), "ltx2 diffusers")
+    merged = tmp_path / "merged.safetensors"
+    assert run("merge", tmp_path / "lora_kohya.safetensors", "--into-base", model, merged) == 0
+    base, got = load_file(model / "transformer" / WEIGHTS), load_file(merged)
+    for m, d in ref.items():
+        k = f"{m.removeprefix('transformer.')}.weight"
+        exact = base[k].double() + d
+        assert ((got[k].double() - exact).abs() <= 2 * U * exact.abs()).all(), k
