@@ -30,6 +30,7 @@ from tasks.lora_tools import cli
 from tasks.models import adapter_class
 from tasks.models.zimage import ZImageAdapter
 from tasks.training.export import kohya_metadata, kohya_rows, save_kohya
+from lora_fixtures import random_lora
 from test_export import model_dirs  # noqa: F401  (the tiny models, built once per module)
 from tolerance import assert_close, rounding, sums
 
@@ -56,14 +57,7 @@ def peft_lora(family, model_dir, out: Path, targets=None, rank=RANK, alpha=ALPHA
     export: the diffusers file with its peft config, and (kohya=True) the kohya export. Returns (the model with
     the adapter, {diffusers module: float64 delta}, {module: (A, B, scale)})."""
     den = denoiser(family, model_dir)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or TARGETS[family])
-    den.add_adapter(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    sd = get_peft_model_state_dict(den)
+    sd, config = random_lora(den, targets or TARGETS[family], rank, alpha, seed)
     a = adapter_class(family)
     a.pipeline_cls.save_lora_weights(out, **{f"{a.denoiser_subfolder}_lora_layers": sd,
                                              f"{a.denoiser_subfolder}_lora_adapter_metadata": config.to_dict()})

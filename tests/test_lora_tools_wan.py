@@ -11,14 +11,13 @@ import shutil
 import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from tasks.lora_tools.models import pipeline_family
 from tasks.models.tiny_video import build_tiny_wan, build_tiny_wan22
 from tasks.models.wan import WanAdapter
 from tasks.training.export import kohya_metadata, save_kohya
+from lora_fixtures import factors_and_deltas, random_lora
 from test_lora_tools import U, assert_deltas, deltas, fold_bound, run
 
 RANK, ALPHA = 4, 3.0
@@ -36,19 +35,11 @@ def files(wan22, tmp_path_factory):
     its float64 deltas."""
     out = tmp_path_factory.mktemp("lora")
     den = WanTransformer3DModel.from_pretrained(wan22, subfolder="transformer_2")
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=WanAdapter.LORA_TARGETS)
-    den.add_adapter(config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    sd = get_peft_model_state_dict(den)
+    sd, config = random_lora(den, WanAdapter.LORA_TARGETS, RANK, ALPHA)
     WanPipeline.save_lora_weights(out, transformer_lora_layers=sd, transformer_lora_adapter_metadata=config.to_dict())
     save_kohya(out / "lora_kohya.safetensors", "wan22", sd, RANK, ALPHA, kohya_metadata("wan22", RANK, ALPHA))
-    factors = {f"transformer.{k[: -len('.lora_A.weight')]}": (v, sd[k.replace("lora_A", "lora_B")], ALPHA / RANK)
-               for k, v in sd.items() if k.endswith(".lora_A.weight")}
-    return out, {m: s * (b.double() @ a.double()) for m, (a, b, s) in factors.items()}, factors
+    factors, ref = factors_and_deltas(sd, RANK, ALPHA)
+    return out, ref, factors
 
 
 def test_a_wan22_folder_is_told_from_a_wan21_one(wan22, tmp_path):
@@ -124,19 +115,10 @@ def test_ltx2_files_round_trip_and_merge_into_the_base(tmp_path):
 
     model = build_tiny_ltx2(tmp_path / "ltx2")
     den = LTX2VideoTransformer3DModel.from_pretrained(model, subfolder="transformer")
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LTX2Adapter.LORA_TARGETS)
-    den.add_adapter(config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    sd = get_peft_model_state_dict(den)
+    sd, config = random_lora(den, LTX2Adapter.LORA_TARGETS, RANK, ALPHA)
     LTX2Pipeline.save_lora_weights(tmp_path, transformer_lora_layers=sd, transformer_lora_adapter_metadata=config.to_dict())
     save_kohya(tmp_path / "lora_kohya.safetensors", "ltx2", sd, RANK, ALPHA, kohya_metadata("ltx2", RANK, ALPHA))
-    factors = {f"transformer.{k[: -len('.lora_A.weight')]}": (v, sd[k.replace("lora_A", "lora_B")], ALPHA / RANK)
-               for k, v in sd.items() if k.endswith(".lora_A.weight")}
-    ref = {m: s * (b.double() @ a.double()) for m, (a, b, s) in factors.items()}
+    factors, ref = factors_and_deltas(sd, RANK, ALPHA)
     conv = tmp_path / "conv.safetensors"
     assert run("convert", "--format", "diffusers", tmp_path / "lora_kohya.safetensors", conv) == 0
     assert_deltas(deltas(conv), ref, fold_bound(factors), "ltx2 kohya -> diffusers")

@@ -220,8 +220,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     delta: no 'lora key not loaded'."""
     import re
 
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+    from lora_fixtures import random_lora
     from test_comfyui_keys import REL, _comfyui_merge
 
     from tasks.training.export import to_kohya
@@ -233,13 +232,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     # ComfyUI's keys for the block Linears, by its names (the diffusers names of these modules are the same)
     comfy_keys = {n: (m.out_features, m.in_features) for n, m in in_blocks.items()
                   if n.split(".", 2)[2] in COMFY_BLOCK}
-    den.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=adapter.default_lora_targets()))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in den.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    sd = get_peft_model_state_dict(den)
+    sd, _ = random_lora(den, adapter.default_lora_targets(), 4, 8)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert modules and modules <= set(comfy_keys)  # every trained module is one of ComfyUI's
     merged = _comfyui_merge("ltx2", to_kohya("ltx2", sd, 4, 8), comfy_keys)  # fails on a key left unread

@@ -255,7 +255,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     model_lora_keys_unet's generic rule maps `lora_unet_<key, dots as _>` to each (tests/test_comfyui_keys.py
     restates it with its commit); every key of the kohya file (= the ComfyUI file) must be read and merge to the
     PEFT LoRA's delta."""
-    from peft import LoraConfig
+    from lora_fixtures import random_lora
     from test_comfyui_keys import REL, _comfyui_merge
 
     from tasks.models.tiny_video import build_tiny_wan
@@ -267,15 +267,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     adapter = WanAdapter(tmp_path / "wan")
     den = adapter.load_denoiser()
     linears = {n: m for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}  # before peft wraps them
-    den.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=adapter.default_lora_targets()))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in den.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    from peft.utils import get_peft_model_state_dict
-
-    sd = get_peft_model_state_dict(den)
+    sd, _ = random_lora(den, adapter.default_lora_targets(), 4, 8)
     comfy_name = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v",
                   "to_out.0": "o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
 
