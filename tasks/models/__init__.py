@@ -33,6 +33,8 @@ FAMILIES = {
     "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny_video:build_tiny_wan"),
     "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny_video:build_tiny_wan22"),
     "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny_ltx2:build_tiny_ltx2"),
+    "hunyuan_video15": ("tasks.models.hunyuan_video15:HunyuanVideo15Adapter",
+                        "tasks.models.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
 }
 
 

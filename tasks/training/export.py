@@ -38,6 +38,12 @@ W += (alpha / rank) * up @ down. Names per family are the ones sd-scripts writes
   ComfyUI's LTXAV model keeps (its generic `lora_unet_<model key>` rule maps them) and the musubi-tuner LTX-2
   forks' networks.lora_ltx2 writes. diffusers' `LTX2Pipeline` loads NO kohya layout (its converter reads only
   ltx-trainer's `diffusion_model.`-prefixed PEFT keys): use the diffusers file there.
+- hunyuan_video15: ComfyUI's names for its HunyuanVideo 1.5 model, which builds its double blocks from Flux's
+  DoubleStreamBlock (`lora_unet_double_blocks_0_img_attn_qkv` fused as for Flux, `..._img_attn_proj`,
+  `..._img_mlp_0` / `_2`, `..._txt_*`, `..._img_mod_lin`), so its generic `lora_unet_<model key>` rule maps them
+  (tests/test_hunyuan_video15.py). The original checkpoint (and musubi-tuner's networks.lora_hv_1_5) has q/k/v
+  apart and `img_mlp.fc1` / `fc2` (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py): musubi-tuner does
+  not read this file, and diffusers 0.42.1 has no HunyuanVideo 1.5 LoRA loader: use the diffusers file there.
 
 Pure core: no prefect/hydra imports.
 """
@@ -61,7 +67,7 @@ safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev", "wan", "wan22", "ltx2")
+            "flux2_dev", "wan", "wan22", "ltx2", "hunyuan_video15")
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 
@@ -123,6 +129,10 @@ _RULES["wan"] = [  # diffusers' WanTransformer3DModel -> Wan's original module n
     (_W + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
 ]
 _RULES["wan22"] = _RULES["wan"]  # each Wan 2.2 expert is a Wan 2.1 transformer: one LoRA file per expert
+# HunyuanVideo 1.5: diffusers' double-stream block has Flux's module names (transformer_blocks.N.attn.to_q ...,
+# ff.net.0.proj, norm1.linear) and ComfyUI's model Flux's DoubleStreamBlock (img_attn.qkv, img_mlp.0, img_mod.lin):
+# Flux's double-block rules (no single blocks, no img_in/txt_in: HunyuanVideo's embedders are no LoRA targets)
+_RULES["hunyuan_video15"] = [r for r in _RULES["flux"] if r[0].startswith(_B)]
 _RULES["flux_kontext"] = _RULES["flux"]  # FLUX.1 Kontext: FLUX.1's transformer, the same BFL names
 _RULES["flux2_dev"] = _RULES["flux2_klein"]  # the same transformer; Flux2Pipeline reads the same converter
 _SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
@@ -138,7 +148,7 @@ _META = {"flux": ("networks.lora_flux", "flux1"), "flux_kontext": ("networks.lor
          "qwenimage_edit": ("networks.lora_qwen_image", "qwen_image_edit"),
          "flux2_klein": ("networks.lora_flux2", "flux2_klein"), "flux2_dev": ("networks.lora_flux2", "flux2_dev"),
          "wan": ("networks.lora_wan", "wan2.1"), "wan22": ("networks.lora_wan", "wan2.2"),
-         "ltx2": ("networks.lora_ltx2", "ltx2")}
+         "ltx2": ("networks.lora_ltx2", "ltx2"), "hunyuan_video15": ("networks.lora_hv_1_5", "hunyuan_video_1_5")}
 # Families whose kohya names are the diffusers module names with "." -> "_" (one Linear per module).
 _NAMED = ("zimage", "qwenimage", "qwenimage_edit", "ltx2")
 # Text-encoder LoRAs (train.text_encoder_lr): sd-scripts' prefix per pipeline component (SD1 has one encoder)

@@ -183,6 +183,14 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, f
         p = config["patch_size"]
         tokens = (latent_frames // config["patch_size_t"]) * (h // (sh * p)) * (w // (sw * p))
         return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+    if "text_embed_2_dim" in config:  # HunyuanVideo 1.5: 1x1x1 patches of (1 + (F - 1) / 4) latent frames, /16 in
+        # space, joined in every block by the Qwen caption, the ByT5 window (min(256, its length)) and the 729 image
+        # tokens the t2v pipeline masks out (tasks/models/hunyuan_video15.py)
+        latent_frames = 1 + (frames - 1) // 4
+        p = config["patch_size"]
+        tokens = (latent_frames // config["patch_size_t"]) * (h // (16 * p)) * (w // (16 * p))
+        tokens += text_tokens + min(256, text_tokens) + 729
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
     # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
     channels = config["block_out_channels"]
     tokens = (h // 8) * (w // 8)

@@ -1,0 +1,177 @@
+"""HunyuanVideo 1.5 (text-to-video): HunyuanVideo15Transformer3DModel (double-stream blocks over the video tokens and
+the caption, 1x1x1 patches) on the causal video VAE's latents (AutoencoderKLHunyuanVideo15: /16 in space, /4 in
+time, 1 + 4k frames, 32 channels scaled by scaling_factor), text from Qwen2.5-VL (its chat template, hidden state
+-3) and ByT5 (the prompt's quoted glyph text), flow matching with real CFG through the pipeline's guider.
+
+What follows which reference (diffusers 0.42.1, pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py):
+- Latents: the VAE's mode times `vae.config.scaling_factor`, as `__call__` divides by it before `vae.decode` (no
+  shift); a still image is a one-frame video (the causal VAE encodes the first frame alone). Frame counts 1 + 4k
+  (`prepare_latents`: (num_frames - 1) // vae_scale_factor_temporal + 1), sides multiples of 16 (patch 1).
+- Text: the pipeline's own `encode_prompt`, cached per caption as it returns them: `prompt_embeds` and
+  `prompt_embeds_mask` (Qwen2.5-VL, the template's first `prompt_template_encode_start_idx` = 108 tokens dropped),
+  `prompt_embeds_2` and `prompt_embeds_mask_2` (ByT5 of the quoted text; zeros and an empty mask without quotes),
+  the masks in the dtype encode_prompt gives them. The lengths are hard-coded attributes of the pipeline
+  (`tokenizer_max_length` = 1000, `tokenizer_2_max_length` = 256): this adapter sets them on its pipeline
+  instance, to model.max_sequence_length and min(256, model.max_sequence_length), so every caption is stored at
+  those fixed lengths (the real model keeps 1000 / 256 with model.max_sequence_length=1000).
+- Training, text-to-video as `__call__` feeds the transformer: hidden_states = cat([noisy, zeros, zero mask
+  [B, 1, F, h, w]]) (`prepare_cond_latents_and_mask` for t2v), `image_embeds` zeros [B, 729, image_embed_dim]
+  (`vision_num_semantic_tokens`; all-zero embeds make the transformer mask them out), timestep = the scheduler's
+  t = sigma x 1000, the sigmas drawn from the scheduler's table with its config's `shift` (5.0 for 480p t2v; 9.0
+  for 720p), target noise - latents (FlowMatchEulerDiscreteScheduler.step: x + (sigma_next - sigma) * v).
+- LoRA targets: every attention and MLP Linear of the double-stream blocks (image and caption streams: to_q/k/v,
+  to_out.0, add_q/k/v_proj, to_add_out, ff and ff_context), the attention/MLP part of what musubi-tuner's
+  networks/lora_hv_1_5.py wraps (every Linear of MMDoubleStreamBlock; its modulation Linears are left out here).
+- LoRA file: diffusers' layout (`transformer.<module>.lora_A.weight`, peft config in the metadata), written with
+  HunyuanVideoLoraLoaderMixin.save_lora_weights; HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42.1, so
+  it is loaded with the transformer's own `load_lora_adapter(file, prefix="transformer", use_safetensors=True)`
+  (without use_safetensors it reads no metadata and applies alpha = rank).
+- Sampling: the pipeline from cached text (no text encoders loaded), CFG at `guidance` through a copy of its
+  guider (`guider.new(guidance_scale=...)`) against the prompt's negative or the cached empty prompt.
+
+Untested with the real weights here."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tasks.data.clips import Video
+from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import load_lora_file, on_pipeline_device
+from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+
+torch = lazy("torch")
+diffusers = lazy("diffusers")
+
+log = logging.getLogger("loraflow")
+_SAFE = dict(use_safetensors=True)
+_VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens (SigLIP's tokens; zeros for t2v)
+_BYT5_MAX = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
+_TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+_WARNED: set[str] = set()
+
+
+class HunyuanVideo15Adapter(TransformerAdapter):
+    family = "hunyuan_video15"
+    video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
+    frame_step = 4  # the VAE's temporal factor (pipeline.vae_scale_factor_temporal): clips of 1 + 4k frames
+    default_fps = 15.0  # the frame rate of the pipeline's example (export_to_video(..., fps=15))
+    latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
+    size_multiple = 16  # VAE /16 (vae_scale_factor_spatial), 1x1 patches
+    swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
+    pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
+    denoiser_cls = LazyClass("diffusers", "HunyuanVideo15Transformer3DModel")
+    denoiser_subfolder = "transformer"
+    text_components = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+    sample_components = ("transformer", "vae", "scheduler", "guider")
+    sample_parts = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, **_SAFE)
+    # the double-stream blocks' attention (both streams) and feed-forwards, by full path: the token refiner's
+    # `context_embedder.token_refiner.refiner_blocks` and the embedders do not match
+    LORA_TARGETS = (r".*transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
+                    r"|to_add_out)|.*transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)")
+
+    # -- latents ---------------------------------------------------------------------------------
+    def load_vae(self):
+        return diffusers.AutoencoderKLHunyuanVideo15.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype,
+                                                                     **_SAFE).to(self.device).eval()
+
+    @no_grad
+    def encode_latents(self, vae, pixels):
+        # pixels [B, 3, F, H, W] (an image: [B, 3, H, W], one frame) -> the mode x scaling_factor (the pipeline
+        # divides by it before decoding): [B, C, 1 + (F - 1) / 4, H / 16, W / 16]
+        if pixels.ndim == 4:
+            pixels = pixels[:, :, None]
+        z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
+        return z * vae.config.scaling_factor
+
+    # -- text ------------------------------------------------------------------------------------
+    def set_text_lengths(self, pipe):
+        """The pipeline's hard-coded text windows, from model.max_sequence_length (see the module docstring)."""
+        pipe.tokenizer_max_length = self.max_sequence_length
+        pipe.tokenizer_2_max_length = min(_BYT5_MAX, self.max_sequence_length)
+        return pipe
+
+    def load_text_encoders(self):
+        # HunyuanVideo15Pipeline.__init__ reads vae.config (diffusers 0.42.1 fails with vae=None): the VAE is
+        # loaded with the pipeline and dropped; only the two text encoders go to the device
+        pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, **_SAFE)
+        pipe.vae = None
+        pipe.text_encoder.to(self.device)
+        pipe.text_encoder_2.to(self.device)
+        return self.set_text_lengths(pipe)
+
+    @no_grad
+    def encode_text(self, pipe, texts):
+        out = pipe.encode_prompt(texts, device=self.device, dtype=self.dtype, batch_size=len(texts))
+        for text, m in zip(texts, out[1]):
+            if int(m.sum()) == pipe.tokenizer_max_length and text not in _WARNED:  # a full window: maybe cut
+                _WARNED.add(text)
+                log.warning("text may be truncated at model.max_sequence_length=%d Qwen2.5-VL tokens: %.80r",
+                            pipe.tokenizer_max_length, text)
+        out = [t.cpu() for t in out]
+        return [{k: t[i] for k, t in zip(_TEXT_KEYS, out)} for i in range(len(texts))]
+
+    # -- training --------------------------------------------------------------------------------
+    def load_denoiser(self):
+        return self.denoiser_cls.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        if latents.ndim == 4:  # [B, C, h, w]: never stored by this family, but a one-frame video all the same
+            latents = latents[:, :, None]
+        noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
+        b, _, f, h, w = noisy.shape
+        # text-to-video: no condition latents, a zero mask channel, no image tokens (prepare_cond_latents_and_mask)
+        inputs = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1)
+        image_embeds = noisy.new_zeros(b, _VISION_TOKENS, transformer.config.image_embed_dim)
+        t = {k: text[k].to(latents.device) for k in _TEXT_KEYS}
+        pred = transformer(hidden_states=inputs, image_embeds=image_embeds, timestep=timesteps.to(latents.dtype),
+                           encoder_hidden_states=t["prompt_embeds"].to(latents.dtype),
+                           encoder_attention_mask=t["prompt_embeds_mask"],
+                           encoder_hidden_states_2=t["prompt_embeds_2"].to(latents.dtype),
+                           encoder_attention_mask_2=t["prompt_embeds_mask_2"], return_dict=False)[0]
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
+
+    # -- the LoRA file ---------------------------------------------------------------------------
+    def save_lora(self, lora_state_dict, out_dir, lora_config):
+        # HunyuanVideo15Pipeline has no save_lora_weights; HunyuanVideo's loader mixin writes the same layout
+        # (`transformer.` prefix, the peft config as `transformer.*` metadata)
+        from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin
+
+        HunyuanVideoLoraLoaderMixin.save_lora_weights(out_dir, transformer_lora_layers=lora_state_dict,
+                                                      transformer_lora_adapter_metadata=lora_config,
+                                                      safe_serialization=True)
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def load_sampler(self, lora_file, denoiser=None):
+        from tasks.models import lycoris
+
+        pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser),
+                                                 **self.sample_parts)
+        if lora_file is not None:
+            if lycoris.file_network(lora_file) or lycoris.is_lycoris_file(lora_file):
+                load_lora_file(pipe, self.denoiser_subfolder, lora_file)
+            else:  # no pipe.load_lora_weights in diffusers 0.42.1: the transformer's peft loader reads the file;
+                # use_safetensors=True, else it skips the file's metadata (the trained alpha) and scales by 1
+                pipe.transformer.load_lora_adapter(str(lora_file), prefix="transformer", use_safetensors=True)
+        pipe.set_progress_bar_config(disable=True)
+        return self.place(pipe, denoiser)
+
+    # -- sampling --------------------------------------------------------------------------------
+    @no_grad
+    def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed,
+               generator_device="cpu", frames=1, fps=15.0):
+        # Real CFG at `guidance` against the prompt's negative, else the cached empty prompt (the pipeline
+        # cannot encode "" without its text encoders); `true_cfg` is unused. Frames 1 + 4k, sides multiples of 16.
+        uncond = negative if negative is not None else empty
+        pipe.guider = pipe.guider.new(guidance_scale=guidance)
+        embeds = {}
+        for name, d in (("", prompt), ("negative_", uncond)):
+            d = on_pipeline_device(pipe, d)
+            embeds.update({f"{name}{k}": d[k][None].to(self.dtype) for k in _TEXT_KEYS})
+        generator = self.make_generator(pipe, seed, generator_device)
+        out = pipe(**embeds, width=width, height=height, num_frames=frames, num_inference_steps=steps,
+                   generator=generator, output_type="np").frames[0]
+        return Video([Image.fromarray(f) for f in (np.clip(out, 0, 1) * 255).round().astype(np.uint8)], float(fps))
