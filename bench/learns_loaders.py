@@ -9,7 +9,8 @@ from pathlib import Path
 
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
 MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3",
-          "LTX2Pipeline": "ltx2"}  # LTX-2: diffusers reads no kohya layout for it
+          "LTX2Pipeline": "ltx2",  # LTX-2: diffusers reads no kohya layout for it
+          "HunyuanVideo15Pipeline": "hunyuan_video15"}  # nor for HunyuanVideo 1.5 (ComfyUI's fused names)
 
 
 def denoiser_of(pipe):
@@ -28,8 +29,24 @@ def load_pipeline(base: Path):
         pipe.processor = vision_text_processor(base)
     else:
         pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
+    if type(pipe).__name__ == "HunyuanVideo15Pipeline":  # its text windows, as the adapter trained them
+        from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
+
+        HunyuanVideo15Adapter(base, "float32", TEXT_TOKENS).set_text_lengths(pipe)
+        pipe.guider = pipe.guider.new(guidance_scale=1.0)  # no CFG: the pipeline takes its scale from the guider
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+TEXT_TOKENS = 32  # the tiny video models' model.max_sequence_length
+
+
+def load_diffusers_file(pipe, file: Path) -> None:
+    """The diffusers file through the pipeline's loader, or the transformer's where the pipeline has none."""
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(str(file))
+    else:  # HunyuanVideo 1.5 in diffusers 0.42.1 (tasks/models/hunyuan_video15.py)
+        pipe.transformer.load_lora_adapter(str(file), prefix="transformer", use_safetensors=True)
 
 
 def merge_kohya(pipe, file: Path, family: str | None = None) -> None:

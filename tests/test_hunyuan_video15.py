@@ -272,3 +272,21 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
         want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
         assert (merged[key][sl] - want).abs().max() <= REL * want.abs().max(), m
     assert comfyui_loads_kohya("hunyuan_video15")
+
+
+def test_lora_memorises_its_clip(tmp_path):
+    """bench/learns.py's check for `tiny_hunyuan_video15`: one 9-frame clip memorised, rendered by
+    HunyuanVideo15Pipeline with the diffusers file (through the transformer's loader) and with the kohya file merged
+    by ComfyUI's rule, each within the image families' bound (bench/learns.json); a halved scale is caught."""
+    from bench import learns
+    from learning import FILES
+
+    learns.dataset(tmp_path, "tiny_hunyuan_video15")
+    base, files = learns.train_nodes("tiny_hunyuan_video15", tmp_path)
+    r = learns.evaluate("tiny_hunyuan_video15", base, files)
+    assert set(r["files"]) == {"diffusers", "kohya"} and r["loaders"]["kohya"] == "merge"
+    for fmt, ratio in r["files"].items():
+        assert ratio <= learns.bound("tiny_hunyuan_video15"), f"{fmt}: err ratio {ratio:.4f}"
+    bad = tmp_path / "halved.safetensors"
+    FILES["scale_halved"](files["diffusers"], bad)
+    assert learns.evaluate("tiny_hunyuan_video15", base, {"diffusers": bad})["files"]["diffusers"] > learns.BOUND
