@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev", "wan", "wan22")
+            "flux2_dev", "wan", "wan22", "ltx2", "hunyuan_video15")
 # name -> overrides: each memory option a user of one GPU would pick (train.num_processes stays 1 = the GPUs
 # of the lent machine; model.dtype=float16 trains under accelerate's fp16 loss scaling, tasks/training/train_setup.py)
 VARIANTS = {
@@ -56,6 +56,13 @@ VARIANTS = {
                  "train.gradient_checkpointing=true"],
     "int8+swap1+ckpt": ["model.quantize=int8", "model.dtype=bfloat16", "train.blocks_to_swap=1",
                         "train.mixed_precision=bf16", "train.gradient_checkpointing=true"],
+    # the checkpointed block inputs in pinned host memory (save_on_cpu), any family
+    "offload+ckpt": ["train.mixed_precision=bf16", "train.gradient_checkpointing=true",
+                     "train.gradient_checkpointing_offload=true"],
+    # Wan 2.2: one LoRA on both experts (tasks/models/wan22_experts.py), with the offload, on the demo clips
+    "video+both+offload": ["train.mixed_precision=bf16", "data=demo_clips", "data.frames=9",
+                           f"sample.prompts_file={REPO / 'data' / 'demo_clips_prompts.txt'}", "model.expert=both",
+                           "train.gradient_checkpointing=true", "train.gradient_checkpointing_offload=true"],
 }
 COMMON = ["data.resolution=64", "train.max_steps=20", "train.log_every=5", "train.batch_size=2", "sample.steps=4"]
 
