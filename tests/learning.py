@@ -94,3 +94,17 @@ TRAINING = {"sign": sign_flipped, "timestep_reversed": timestep_reversed, "times
 
 # -- file mutations: bench/learns.py's (the bench records them for every family) ------------------------------
 FILES = FILE_MUTATIONS
+
+
+def learns_within_bound(model: str, root, formats=("diffusers", "kohya")) -> tuple:
+    """bench/learns.py's check at the node functions: `model` trained on its one image or clip under `root`, each
+    exported file rendered by the family's pipeline within the model's bound. Returns (base, files, result)."""
+    from bench import learns
+
+    learns.dataset(root, model)
+    base, files = learns.train_nodes(model, root)
+    r = learns.evaluate(model, base, files)
+    assert set(r["files"]) == set(formats), r["files"]
+    for fmt, ratio in r["files"].items():
+        assert ratio <= learns.bound(model), f"{model} {fmt}: err ratio {ratio:.4f} > {learns.bound(model)}"
+    return base, files, r

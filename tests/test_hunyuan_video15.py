@@ -238,8 +238,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     q/k/v as row blocks of the fused qkv: no 'lora key not loaded'."""
     import re
 
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+    from lora_fixtures import random_lora
     from test_comfyui_keys import REL, _comfyui_merge
 
     from tasks.training.export import to_kohya
@@ -256,13 +255,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
             comfy_keys[key] = (out + m.out_features, m.in_features)
     # the defaults plus the modulation Linears (musubi-tuner's LoRA wraps them too)
     targets = adapter.default_lora_targets() + r"|.*transformer_blocks\.\d+\.(norm1|norm1_context)\.linear"
-    den.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in den.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    sd = get_peft_model_state_dict(den)
+    sd, _ = random_lora(den, targets, 4, 8)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert len(modules) == 2 * 14 and modules == set(rows)  # every trained module is in one of ComfyUI's
     merged = _comfyui_merge("hunyuan_video15", to_kohya("hunyuan_video15", sd, 4, 8), comfy_keys)
@@ -279,14 +272,10 @@ def test_lora_memorises_its_clip(tmp_path):
     HunyuanVideo15Pipeline with the diffusers file (through the transformer's loader) and with the kohya file merged
     by ComfyUI's rule, each within the image families' bound (bench/learns.json); a halved scale is caught."""
     from bench import learns
-    from learning import FILES
+    from learning import FILES, learns_within_bound
 
-    learns.dataset(tmp_path, "tiny_hunyuan_video15")
-    base, files = learns.train_nodes("tiny_hunyuan_video15", tmp_path)
-    r = learns.evaluate("tiny_hunyuan_video15", base, files)
-    assert set(r["files"]) == {"diffusers", "kohya"} and r["loaders"]["kohya"] == "merge"
-    for fmt, ratio in r["files"].items():
-        assert ratio <= learns.bound("tiny_hunyuan_video15"), f"{fmt}: err ratio {ratio:.4f}"
+    base, files, r = learns_within_bound("tiny_hunyuan_video15", tmp_path)
+    assert r["loaders"]["kohya"] == "merge"
     bad = tmp_path / "halved.safetensors"
     FILES["scale_halved"](files["diffusers"], bad)
     assert learns.evaluate("tiny_hunyuan_video15", base, {"diffusers": bad})["files"]["diffusers"] > learns.BOUND
