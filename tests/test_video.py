@@ -12,7 +12,6 @@ and read with PyAV, real WanPipeline parts.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
