@@ -136,6 +136,21 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_denoiser(self) -> torch.nn.Module: ...
 
+    # How `pretrained_denoiser` reads the weights: None = diffusers' from_pretrained (sampling, tools); the train
+    # node sets a WeightLoading (tasks/training/train_setup.py) to stream them (tasks/models/stream_load.py)
+    weight_loading = None
+
+    def pretrained_denoiser(self, cls: type, subfolder: str) -> torch.nn.Module:
+        """`cls` from `self.model_dir/subfolder` in `self.dtype`: from_pretrained, or streamed tensor by tensor
+        (each weight stored as the train node's plan says, on the device it names) when weight_loading is set."""
+        if self.weight_loading is None:
+            return cls.from_pretrained(self.model_dir, subfolder=subfolder, dtype=self.dtype, use_safetensors=True)
+        from tasks.models.stream_load import load_streamed
+
+        plan = self.weight_loading
+        return load_streamed(cls, self.model_dir / subfolder, self.dtype, plan.store,
+                             lambda name: plan.place(subfolder, name))
+
     # The family's own training version, in the LoRA's key when set: bumped where one family's LoRA bytes
     # change, so the other families' keys stay as they were.
     train_version: str | None = None

@@ -72,7 +72,7 @@ class FluxAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.FluxTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(diffusers.FluxTransformer2DModel, "transformer")
 
     # The blocks' attention and MLP projections, by full path (a regex peft matches whole names): never the
     # top-level proj_out (the final layer), which neither diffusers' Flux LoRA example nor sd-scripts trains.

@@ -56,7 +56,7 @@ class Flux2Adapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.Flux2Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **SAFE)
+        return self.pretrained_denoiser(diffusers.Flux2Transformer2DModel, "transformer")
 
     # Every projection of the blocks (attention of both streams, the MLPs, the single blocks' fused
     # qkv+mlp input and output): the Linears FLUX.2 LoRAs in kohya/BFL layout name. Not the modulation,

@@ -137,7 +137,7 @@ class LTX2Adapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return self.denoiser_cls.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(self.denoiser_cls, "transformer")
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         if latents.ndim == 4:  # [B, C, h, w]: never stored by this family, but a one-frame video all the same

@@ -60,7 +60,7 @@ class QwenImageAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.QwenImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(diffusers.QwenImageTransformer2DModel, "transformer")
 
     # diffusers' Qwen-Image LoRA example's default (--lora_layers unset): the image-stream attention.
     LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")

@@ -59,7 +59,7 @@ class SD3Adapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.SD3Transformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(diffusers.SD3Transformer2DModel, "transformer")
 
     # The SD3 LoRA example's defaults: the joint attention's image and context projections.
     # (The last block is context_pre_only and has no to_add_out; PEFT skips names that are absent.)

@@ -96,7 +96,7 @@ class UNetAdapter(FamilyAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.UNet2DConditionModel.from_pretrained(self.model_dir, subfolder="unet", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(diffusers.UNet2DConditionModel, "unet")
 
     def default_lora_targets(self):
         # The attention projections, as diffusers' SD/SDXL LoRA examples.

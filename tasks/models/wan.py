@@ -72,8 +72,7 @@ class WanAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return self.denoiser_cls.from_pretrained(self.model_dir, subfolder=self.denoiser_subfolder, dtype=self.dtype,
-                                              **_SAFE)  # Wan 2.2: the expert trained
+        return self.pretrained_denoiser(self.denoiser_cls, self.denoiser_subfolder)  # Wan 2.2: the expert trained
 
     def load_train_scheduler(self):
         # Wan ships a UniPC sampler; training draws from the flow-matching table with the sampler's flow_shift

@@ -52,7 +52,7 @@ class Wan22Adapter(WanAdapter):
             return super().load_denoiser()
         from tasks.models.wan22_experts import TwoExperts  # torch and diffusers at import: training only
 
-        high, low = (self.denoiser_cls.from_pretrained(self.model_dir, subfolder=f, dtype=self.dtype, use_safetensors=True)
+        high, low = (self.pretrained_denoiser(self.denoiser_cls, f)
                      for f in (EXPERTS["high"], EXPERTS["low"]))
         return TwoExperts(high, low, self.boundary)
 

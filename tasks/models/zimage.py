@@ -81,7 +81,7 @@ class ZImageAdapter(TransformerAdapter):
 
     # -- training --------------------------------------------------------------------------------
     def load_denoiser(self):
-        return diffusers.ZImageTransformer2DModel.from_pretrained(self.model_dir, subfolder="transformer", dtype=self.dtype, **_SAFE)
+        return self.pretrained_denoiser(diffusers.ZImageTransformer2DModel, "transformer")
 
     # Attention and feed-forward projections of the main layers and both refiners (the image-side
     # noise_refiner and the caption-side context_refiner): the Linear layers the Z-Image LoRAs in circulation

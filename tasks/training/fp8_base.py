@@ -106,7 +106,7 @@ class StorageCastHook(ModelHook):
                                       module.dilation, module.groups)
 
 
-def _castable(module: torch.nn.Module) -> bool:
+def castable(module: torch.nn.Module) -> bool:
     # padding="same"/"valid" strings have no convolution_backward form here; none of our denoisers uses them
     return isinstance(module, CASTABLE) and not isinstance(getattr(module, "padding", 0), str)
 
@@ -127,7 +127,7 @@ def store_base_low(model: torch.nn.Module, storage_dtype: torch.dtype, compute_d
     Returns the paths of the layers stored low."""
     stored = []
     for path, module in model.named_modules():
-        if not _castable(module) or module.weight.requires_grad or skipped(path, skip_patterns):
+        if not castable(module) or module.weight.requires_grad or skipped(path, skip_patterns):
             continue
         HookRegistry.check_if_exists_or_initialize(module).register_hook(
             StorageCastHook(storage_dtype, compute_dtype), HOOK_NAME)

@@ -41,6 +41,10 @@ def quantize_weight(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
     raise ValueError(f"model.quantize={kind!r}: choose one of {', '.join(KINDS)}")
 
 
+def is_quantized(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ in ("Int8Tensor", "NF4Tensor")
+
+
 class QuantizedHook(StorageCastHook):
     """fp8_base's hook with a torchao tensor as the stored weight."""
 
@@ -67,7 +71,9 @@ def quantize_base(model: torch.nn.Module, kind: str, compute_dtype: torch.dtype,
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module.weight.requires_grad or skipped(path, skip_patterns):
             continue
-        stored = quantize_weight(module.weight.data.to(device, compute_dtype), kind)
+        weight = module.weight.data
+        # streamed in stored already (tasks/training/base_loading.py), or quantized here from the compute dtype
+        stored = weight if is_quantized(weight) else quantize_weight(weight.to(device, compute_dtype), kind)
         if stored is None:
             out["kept"].append(path)
             continue

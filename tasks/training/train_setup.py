@@ -12,6 +12,7 @@ import numpy as np
 from tasks.config import stored_as
 from tasks.lazy import lazy
 from tasks.models import lycoris
+from tasks.training.base_loading import load_planned, plan_loading
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
 torch = lazy("torch")
@@ -84,9 +85,10 @@ def update_ema(ema: dict, named: dict, decay: float) -> None:
             ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
-def prepare_denoiser(adapter, cfg: dict):
+def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
     """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
-    checkpointing. Returns (denoiser, {name: trainable parameter})."""
+    checkpointing. Returns (denoiser, {name: trainable parameter}). `stream=False`: the base loaded whole by
+    from_pretrained and stored low afterwards, as before issue 43 (bench.load's "before" rows; the same result)."""
     from peft import LoraConfig  # here: a no-op run never trains, and peft takes a second to import
 
     tc = cfg["train"]
@@ -95,7 +97,12 @@ def prepare_denoiser(adapter, cfg: dict):
     # step (bench/RESULTS.md, GPU); pytorch#190321 and #134001 give this same mitigation, and #196678 reports
     # NaN gradients from it since torch 2.11. Only CUDA reads the flag.
     torch.backends.cuda.enable_cudnn_sdp(False)
-    denoiser = adapter.load_denoiser()
+    stored = stored_as(cfg["model"])
+    skip = layerwise_skip_patterns(adapter.denoiser_cls, cfg["model"].get("storage_modulation", False)) \
+        if stored else ()
+    # streamed in, each frozen weight stored low as it is read (tasks/training/base_loading.py)
+    loading = plan_loading(adapter, cfg, skip) if stream else None
+    denoiser = load_planned(adapter, loading, adapter.load_denoiser)
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     # train.network=dora / train.rslora: peft's own variants; loha / lokr: peft's LoHaConfig / LoKrConfig
@@ -111,8 +118,8 @@ def prepare_denoiser(adapter, cfg: dict):
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()
-    stored = stored_as(cfg["model"])
-    skip = layerwise_skip_patterns(type(denoiser), cfg["model"].get("storage_modulation", False)) if stored else ()
+    if loading is not None:
+        loading.attach(denoiser)
     if stored in ("int8", "nf4"):
         # model.quantize: torchao's int8 / NF4 tensors as the frozen weights, dequantized inside the same
         # autograd Function (tasks/training/quantized_base.py); the same layers as the fp8 base
