@@ -9,7 +9,7 @@ import logging
 from collections import Counter
 
 from tasks.data import augment, controls, masks, subsets, video
-from tasks.training import memory, validation
+from tasks.training import host_memory, memory, validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
@@ -308,6 +308,7 @@ def run(cfg: dict, store: Store) -> dict:
         ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
     adapter = make_adapter(cfg["model"], model_dir)
     estimate = memory.preflight(cfg, adapter, size)
+    estimate.update(host_memory.preflight(cfg, adapter, size, estimate))  # RAM: swap, offload, loading (issue 43)
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])

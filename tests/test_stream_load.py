@@ -94,7 +94,7 @@ def test_lycoris_on_a_streamed_nf4_base(network, tmp_path):
                   network)
 
 
-def test_swapped_blocks_load_straight_to_the_host_and_equal_the_swap_after_loading(tmp_path, monkeypatch):
+def test_swapped_blocks_load_straight_to_the_host_and_equal_the_swap_after_loading(tmp_path):
     model, folder = _family("flux", tmp_path)
     cfg = _cfg(model, "int8", blocks_to_swap=2)
     adapter = make_adapter(cfg["model"], folder)
