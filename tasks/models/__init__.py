@@ -105,8 +105,13 @@ def _from_single_file(model_cfg: dict, file: Path, store: Store) -> Path:
                           "lacks), e.g. model.config=black-forest-labs/FLUX.1-dev")
     config_dir = _diffusers_folder(model_cfg["config"], "model.config")
     family, dtype = model_cfg["family"], model_cfg["dtype"]
+    from tasks.models.fp8_single_file import holds_fp8
+
+    # an fp8 transformer file is kept as stored (fp8_single_file.py): another folder than the cast one
     key = key_of({"single_file": store.file_digest(file), "config": digest_tree(config_dir, digest=store.file_digest),
-                  "family": family, "dtype": dtype, "code": SINGLE_FILE_VERSION})
+                  "family": family, "dtype": dtype, "code": SINGLE_FILE_VERSION,
+                  **({"as_stored": "fp8"} if adapter_class(family).single_file_holds == "denoiser" and holds_fp8(file)
+                     else {})})
     if not store.valid("models", key):
         adapter = adapter_class(family)(config_dir, dtype)
         store.put("models", key, "", lambda p: adapter.convert_single_file(file, p),

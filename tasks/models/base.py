@@ -12,6 +12,7 @@ from typing import Any
 from PIL import Image
 
 from tasks.lazy import lazy
+from tasks.models import fp8_single_file
 
 torch = lazy("torch")
 
@@ -101,7 +102,12 @@ class FamilyAdapter(ABC):
         """Read a single-file checkpoint with diffusers' from_single_file (configs from self.model_dir, no
         network) and save it as a diffusers folder at out_dir."""
         local = dict(config=str(self.model_dir), dtype=self.dtype, local_files_only=True)
-        if self.single_file_holds == "denoiser":
+        if self.single_file_holds == "denoiser" and fp8_single_file.holds_fp8(file):
+            # an fp8 file: kept in its own dtypes, read as stored (tasks/models/fp8_single_file.py)
+            fp8_single_file.convert(self.denoiser_cls, file, self.model_dir, self.denoiser_subfolder, self.dtype, out_dir)
+            shutil.copytree(self.model_dir, out_dir, dirs_exist_ok=True, copy_function=_link_or_copy,
+                            ignore=lambda d, names: [self.denoiser_subfolder] if Path(d) == self.model_dir else [])
+        elif self.single_file_holds == "denoiser":
             denoiser = self.denoiser_cls.from_single_file(str(file), subfolder=self.denoiser_subfolder, **local)
             _check_loaded(file, {self.denoiser_subfolder: denoiser})
             # The other components are the config's files, linked byte for byte: their identities (and so

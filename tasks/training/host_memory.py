@@ -123,6 +123,13 @@ def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: b
     entries = {k: e for f in folders for k, e in folder_entries(Path(f)).items()}
     shapes = {k: list(e.shape) for k, e in entries.items()}
     loading = loading_gb(cfg, shapes, {k: e.end - e.start for k, e in entries.items()})
+    matrices = [e for k, e in entries.items() if k.endswith(".weight") and len(e.shape) == 2]
+    if not stored_as(cfg["model"]) and sum(e.dtype.startswith("F8") for e in matrices) * 2 >= max(1, len(matrices)):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "validate: the base's weights are stored in fp8; model.quantize=none trains on them upcast to "
+            "model.dtype (twice the bytes): model.quantize=fp8 holds them as stored")
     if not (cuda_available() if cuda is None else cuda):
         return host_need(cfg, estimate, loading)
     targets = lora_targets(cfg["train"], adapter)
