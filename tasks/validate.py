@@ -265,6 +265,8 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
 
 
 def run(cfg: dict, store: Store) -> dict:
+    """The plan every later node reads: the dataset's items, the prompts, the model's identity, the memory
+    estimate. Refuses a bad config, dataset or model here, before anything is cached."""
     errors = config_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -272,32 +274,67 @@ def run(cfg: dict, store: Store) -> dict:
     family = cfg["model"]["family"]
     adapter_cls = adapter_class(family)
     size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
-
+    items, dataset, dataset_subsets, layout_warnings = _read_dataset(cfg["data"], store, adapter_cls)
+    plan_prompts, warnings = _read_prompts(cfg, adapter_cls, layout_warnings + _dataset_warnings(dataset))
+    augmentation = _augmentation(cfg)
+    model_dir, ids = _model_identity(cfg, store, adapter_cls)
+    adapter = make_adapter(cfg["model"], model_dir)
+    estimate = memory.preflight(cfg, adapter, size)
+    estimate.update(host_memory.preflight(cfg, adapter, size, estimate))  # RAM: swap, offload, loading (issue 43)
+    budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
+    log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
+             f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
+    plan_items, items, dataset = _plan_items(cfg, items, dataset, adapter_cls, size)
+    if errs := controls.prompt_errors(plan_prompts, cfg, size, adapter_cls):
+        raise ConfigError("\n".join(errs))
+    log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
+             len(items), len(plan_prompts), model_dir, family, *size)
     dc = cfg["data"]
+    held = validation.held_out(plan_items, dc["validation_split"])  # cached like the others, never trained
+    if held:
+        log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
+                 len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
+    clips = {"video": video.sample_defaults(dc, adapter_cls.default_fps)} if adapter_cls.video else {}
+    return {**({"validation_items": held} if held else {}), **clips, "family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
+            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
+            "dataset": dataset, "dataset_subsets": dataset_subsets}
+
+
+def _read_dataset(dc: dict, store: Store, adapter_cls) -> tuple[list, list[dict], list[dict], list[str]]:
+    """(item, its name, its subset) of every subset in subset order, the findings on bad files, the subsets'
+    report and the folder layout's warnings."""
     chosen, layout_warnings = subsets.resolve(dc)
     memos = {}  # per folder: images decoded and digested before, by stat (tasks/data/image_memo.py)
     checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
         folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.video)
     for memo in memos.values():
-        memo.save(lambda path, data: store._write_small(path, data, f"the image memo {path.name}"))
-    # (item, its name, its subset) of every subset, in subset order
+        memo.save(lambda path, data: store.write_small(path, data, f"the image memo {path.name}"))
     items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]
     findings = sorted((f for _, check in checked for f in check.findings), key=lambda f: (f.file, f.reason))
     dataset = [dataclasses.asdict(f) for f in findings]
-    dataset_subsets = [s.report(len(check.items)) for s, check in checked]
-    prompts, warnings = read_prompts(cfg["sample"]["prompts_file"])
-    warnings = layout_warnings + _dataset_warnings(dataset) + warnings
+    return items, dataset, [s.report(len(check.items)) for s, check in checked], layout_warnings
+
+
+def _read_prompts(cfg: dict, adapter_cls, warnings: list[str]) -> tuple[list[dict], list[str]]:
+    prompts, prompt_warnings = read_prompts(cfg["sample"]["prompts_file"])
+    warnings = warnings + prompt_warnings
     plan_prompts, size_warnings = planned_prompts(prompts, cfg["sample"]["prompts_file"], adapter_cls.size_multiple)
     warnings += size_warnings
     for w in warnings:
         log.warning("sample prompts: %s", w)
+    return plan_prompts, warnings
 
+
+def _augmentation(cfg: dict) -> dict:
     aug = augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
     mode = augment.text_mode(te_lora.text_settings(cfg), aug)  # train.text_encoder_lr: live
     augmentation = {"mode": mode, "active": augment.active(aug), "description": augment.describe(aug, mode)}
     if augmentation["active"]:
         log.info(augmentation["description"])
+    return augmentation
 
+def _model_identity(cfg: dict, store: Store, adapter_cls) -> tuple:
+    """The model's folder and the identity of each group of components the nodes' keys name."""
     model_dir = resolve_model(cfg["model"], store)
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
@@ -306,12 +343,13 @@ def run(cfg: dict, store: Store) -> dict:
     options = pipeline_options(model_dir)
     if options:  # e.g. SDXL's force_zeros_for_empty_prompt: sampling reads them; no key changes without them
         ids["sample"] = key_of({"components": ids["sample"], "model_index": options})
-    adapter = make_adapter(cfg["model"], model_dir)
-    estimate = memory.preflight(cfg, adapter, size)
-    estimate.update(host_memory.preflight(cfg, adapter, size, estimate))  # RAM: swap, offload, loading (issue 43)
-    budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
-    log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
-             f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
+    return model_dir, ids
+
+
+def _plan_items(cfg: dict, items: list, dataset: list[dict], adapter_cls, size) -> tuple:
+    """The plan's items: each with its digest and caption, its clip's frames, mask and control images, its bucket,
+    and the mirror images (data.flip_aug); the items left and the findings grown by what was left out."""
+    dc = cfg["data"]
     # repeats / is_reg only where not at their defaults: a plain folder's plan (and keys) stay as they were
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
@@ -322,8 +360,6 @@ def run(cfg: dict, store: Store) -> dict:
         kept = {e["name"] for e in plan_items}
         items = [t for t in items if t[1] in kept]
         dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
-    if errs := controls.prompt_errors(plan_prompts, cfg, size, adapter_cls):
-        raise ConfigError("\n".join(errs))
     if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
         buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
         for entry, (it, _, _) in zip(plan_items, items):
@@ -335,16 +371,7 @@ def run(cfg: dict, store: Store) -> dict:
                  ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items())))
     if dc["flip_aug"]:  # the mirror image: one more item, its own latent, its source's caption texts
         plan_items += [{**entry, "name": entry["name"] + FLIPPED, "flip_of": entry["name"]} for entry in plan_items]
-    log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
-             len(items), len(plan_prompts), model_dir, family, *size)
-    held = validation.held_out(plan_items, dc["validation_split"])  # cached like the others, never trained
-    if held:
-        log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
-                 len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
-    clips = {"video": video.sample_defaults(dc, adapter_cls.default_fps)} if adapter_cls.video else {}
-    return {**({"validation_items": held} if held else {}), **clips, "family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
-            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
-            "dataset": dataset, "dataset_subsets": dataset_subsets}
+    return plan_items, items, dataset
 
 
 def pipeline_options(model_dir) -> dict:

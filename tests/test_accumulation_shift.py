@@ -10,6 +10,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from tasks import cache_latents, cache_text, train, validate
+from tasks.training import batches
 from tasks.config import compose, resolve_paths
 from tasks.models.flow_matching import noise_latents, shifted_sigmas
 from tasks.store import Store
@@ -40,8 +41,8 @@ def test_new_settings_enter_the_key_only_when_they_take_effect():
 
 def test_accumulation_resumes_exactly_and_draws_each_micro_batch(tmp_path, monkeypatch):
     calls = []
-    real = train.batch_at
-    monkeypatch.setattr(train, "batch_at", lambda step, *a: calls.append(step) or real(step, *a))
+    real = batches.batch_at  # the batch loader's draw (tasks/training/batches.py)
+    monkeypatch.setattr(batches, "batch_at", lambda step, *a: calls.append(step) or real(step, *a))
     straight = _train(tmp_path / "a", "train.max_steps=4", "train.gradient_accumulation_steps=2")
     assert calls == list(range(1, 9))  # 4 optimizer steps of 2 micro-batches
     _train(tmp_path / "b", "train.max_steps=2", "train.gradient_accumulation_steps=2")

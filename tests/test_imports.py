@@ -22,7 +22,7 @@ LAYERS = {
     # the train node's parts; never tasks.train. The samples rendered during training are the sample node's
     # (and name prompts as validate plans them, texts as cache_text keys them)
     "tasks.training": ("tasks.store", "tasks.config", "tasks.runtime", "tasks.data", "tasks.models",
-                       "tasks.items", "tasks.sample", "tasks.cache_text", "tasks.validate"),
+                       "tasks.items", "tasks.sample", "tasks.cache_text", "tasks.cache_latents", "tasks.validate"),
     # loraflow-lora: LoRA files (training.export's names and writer) and base models (the families' classes)
     "tasks.lora_tools": ("tasks.training", "tasks.models"),
 }
@@ -152,7 +152,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_walk_sees_the_project():
     assert "tasks.train" in MODULES and "flows.train" in MODULES
-    assert "tasks.cache_text" in _edges()["tasks.train"]  # `from tasks import cache_text`
+    assert "tasks.cache_latents" in _edges()["tasks.train"]  # `from tasks import cache_latents`
 
 
 def test_no_import_cycles():

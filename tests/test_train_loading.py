@@ -10,6 +10,7 @@ from pathlib import Path
 from faults import pipeline
 
 import tasks.train
+import tasks.training.batches
 from tasks.store import Store
 
 # Cached caption variants with dropout and shuffling: every step draws a caption choice from the item's
@@ -49,7 +50,7 @@ def test_latents_beyond_the_memo_are_read_again_and_train_the_same_lora(tmp_path
         reads.append(kind)
         return get_tensors(self, kind, key)
 
-    monkeypatch.setattr(tasks.train, "MEMO_ITEMS", 2)
+    monkeypatch.setattr(tasks.training.batches, "MEMO_ITEMS", 2)
     monkeypatch.setattr(Store, "get_tensors", counting)
     small = pipeline(tmp_path / "small", two_epochs, stop_after="train")
 

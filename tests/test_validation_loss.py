@@ -10,6 +10,7 @@ import pytest
 
 from tasks import cache_latents, cache_text, train, validate
 from tasks.training import validation
+from tasks.training.batches import Captions, Latents
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.store import Store
 from tolerance import approx
@@ -155,10 +156,10 @@ def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
         p.data.copy_(stored[f"lora/{name}"])
     denoiser.train()  # as in the training loop
     held = plan["validation_items"]
-    texts = train._Captions(cfg, {**plan, "items": [it for n in held for it in plan["items"] if it["name"] == n]},
+    texts = Captions(cfg, {**plan, "items": [it for n in held for it in plan["items"] if it["name"] == n]},
                             store, adapter, txt)
     value = validation.score(adapter, denoiser, make_accelerator(precision(cfg)), held,
-                             train._Latents(store, [lat[n] for n in held]), texts, cfg["train"],
+                             Latents(store, [lat[n] for n in held]), texts, cfg["train"],
                              adapter.load_train_scheduler())
     assert out["validation_loss"] == [{"step": 3, "loss": value}]  # the same scoring on the same weights
     assert denoiser.training  # put back in train mode

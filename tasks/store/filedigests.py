@@ -35,5 +35,5 @@ def memo_digest(store, path: Path, min_size: int) -> str:
             log.warning("file digest memo %s is corrupt: digesting %s again", memo, path)
             note_repair(f"filedigests/{memo.stem}")
     digest = digest_file(path)
-    store._write_small(memo, f"{digest} {digest_text(digest)[:16]}\n".encode(), f"a digest memo for {path}")
+    store.write_small(memo, f"{digest} {digest_text(digest)[:16]}\n".encode(), f"a digest memo for {path}")
     return digest

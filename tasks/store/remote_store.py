@@ -126,7 +126,7 @@ class RemoteStore(Store):
                 data = None
             if data is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self._write_small(path, data, f"the {area} record {key[:12]}")
+                self.write_small(path, data, f"the {area} record {key[:12]}")
         return super().get_state(area, key)
 
     # -- the last run per config name lives on the remote, so `changed` works across machines ----

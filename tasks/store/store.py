@@ -217,7 +217,7 @@ class Store:
         path = self._state_path(area, key)
         if not path.is_file():
             path.parent.parent.mkdir(parents=True, exist_ok=True)
-            self._write_small(path, data, f"the {area} record {key[:12]}")
+            self.write_small(path, data, f"the {area} record {key[:12]}")
         return key
 
     def get_state(self, area: str, key: str) -> Any:
@@ -285,7 +285,7 @@ class Store:
     def save_indexes(self) -> None:
         """Writes what this process verified or wrote into the store's index (tasks/store/entry_index.py)."""
         for index in self._indexes.values():
-            index.save(lambda path, data: self._write_small(path, data,
+            index.save(lambda path, data: self.write_small(path, data,
                                                             f"the store index {path.parent.name}/{path.name}"))
 
     def exists(self, kind: str, key: str) -> bool:
@@ -336,7 +336,7 @@ class Store:
         self._discard(self.entry_dir(kind, key))
 
     # -- small mutable records (last run per config name) -----------------------------------------
-    def _write_small(self, path: Path, data: bytes, what: str) -> None:
+    def write_small(self, path: Path, data: bytes, what: str) -> None:
         """A small file replaced atomically (temp file, fsync, rename); StoreFull when the disk is full."""
         tmp = self.tmp_path(path.parent.name)
         try:
@@ -354,7 +354,7 @@ class Store:
         indented, Python's json takes its slow pure-Python encoder (seconds for 100,000 items' inputs)."""
         text = json.dumps(obj, sort_keys=True)
         body = json.dumps({"record": json.loads(text), "sha256": digest_text(text)}, sort_keys=True)
-        self._write_small(self.root / "runs" / f"{name}.json", body.encode(), f"the run record {name}")
+        self.write_small(self.root / "runs" / f"{name}.json", body.encode(), f"the run record {name}")
 
     def read_record(self, name: str) -> Any | None:
         """The last run's record, or None: none yet, or a corrupt one (a warning; the run goes on as a first run)."""
