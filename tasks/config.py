@@ -86,7 +86,7 @@ class DataConfig:
     # data.resolution); every batch is drawn from one bucket.
     buckets: bool = False
     bucket_max_aspect: float = 2.0
-    # Validation loss (tasks/training/validation.py): this fraction of the images, a fixed seeded choice, is held out:
+    # Validation loss (tasks/training/validation_loss.py): this fraction of the images, a fixed seeded choice, is held out:
     # cached like the others, never trained on, scored at fixed timesteps and noise. 0: off.
     validation_split: float = 0.0
     # Caption augmentation, kohya meanings; all of it works with the text cache (see text.variants).

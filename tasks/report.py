@@ -31,7 +31,7 @@ def assemble(config_name: str, results: dict, previous: dict, plan: dict, lora: 
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
               "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []),
               "loss": lora.get("losses", []),
-              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation.py)
+              # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation_loss.py)
               "validation_loss": lora.get("validation_loss", []),
               "memory_estimate": plan["memory"], "dataset": plan["dataset"],
               "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each

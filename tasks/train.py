@@ -21,9 +21,9 @@ from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store import Store
-from tasks.store.formats import canonicalize_safetensors
+from tasks.store.stored_files import canonicalize_safetensors
 from tasks.store.hashing import key_of
-from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, validation
+from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, validation_loss as validation
 # the batch readers and draws (tests and tasks.training.distributed import these names from the node)
 from tasks.training.batches import (BatchLoader, Captions, Latents, batch_at, buckets_of,  # noqa: F401
                                     item_generators, my_share)

@@ -9,7 +9,7 @@ import logging
 from collections import Counter
 
 from tasks.data import augment, controls, masks, subsets, video
-from tasks.training import host_memory, memory, validation
+from tasks.training import host_memory, memory, validation_loss as validation
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED

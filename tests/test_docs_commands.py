@@ -314,15 +314,15 @@ def _importable(module: str) -> bool:
 
 
 def _check_lora_tools(cmd: Command, args: list[str]) -> str:
-    """pyproject.toml installs it as tasks.lora_tools.cli:main (a .venv made before that has no such script
+    """pyproject.toml installs it as tasks.lora_tools.commands:main (a .venv made before that has no such script
     until `make install` reinstalls, which `make test` does), and the arguments parse with its own parsers.
     tests/test_lora_tools.py::test_the_docs_commands_run runs the docs' lines on the tiny Flux's files."""
-    from tasks.lora_tools.cli import parse
-    from tasks.lora_tools.formats import LoraToolError
+    from tasks.lora_tools.commands import parse
+    from tasks.lora_tools.lora_files import LoraToolError
 
     where = f"{cmd.origin}: {cmd}"
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts.get("loraflow-lora") == "tasks.lora_tools.cli:main", f"{where}: pyproject.toml does not install it"
+    assert scripts.get("loraflow-lora") == "tasks.lora_tools.commands:main", f"{where}: pyproject.toml does not install it"
     try:
         parse(args)
     except LoraToolError as e:

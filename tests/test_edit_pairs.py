@@ -176,7 +176,7 @@ def test_lora_files_load_in_the_kontext_pipeline(pairs):
 
 def test_held_out_pairs_are_scored_with_their_controls(pairs, monkeypatch):
     """data.validation_split with edit pairs: a held-out pair's validation loss reads its control latents."""
-    from tasks.training import validation
+    from tasks.training import validation_loss as validation
 
     seen = []
     score = validation.score

@@ -26,7 +26,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tasks.lora_tools import cli
+from tasks.lora_tools import commands as cli
 from tasks.models import adapter_class
 from tasks.models.zimage import ZImageAdapter
 from tasks.training.export import kohya_metadata, kohya_rows, save_kohya

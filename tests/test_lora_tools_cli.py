@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.lora_tools import cli
+from tasks.lora_tools import commands as cli
 from tasks.training.export import kohya_metadata
 from test_export import model_dirs  # noqa: F401  (the tiny models, built once per module)
 from test_lora_tools import ALPHA, RANK, REPO, peft_lora, run, tuned  # noqa: F401  (tuned: a fixture)

@@ -130,7 +130,7 @@ def test_canonical_safetensors_header(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from tasks.store.formats import canonicalize_safetensors
+    from tasks.store.stored_files import canonicalize_safetensors
 
     tensors = {"b": torch.arange(5.0), "a": torch.ones(3, 2)}
     meta = {f"k{i}": str(i) for i in range(20)}

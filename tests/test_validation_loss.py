@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks import cache_latents, cache_text, train, validate
-from tasks.training import validation
+from tasks.training import validation_loss as validation
 from tasks.training.batches import Captions, Latents
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.store import Store

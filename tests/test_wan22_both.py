@@ -95,7 +95,7 @@ def test_both_trains_and_loads_into_both_experts(root):
         assert all(torch.equal(mine[k.removeprefix("transformer.")], v) for k, v in sd.items())
     # a second run of the same config gives the same bytes (determinism on the CPU)
     again = train.train_lora(cfg, plan, store, lat["items"], txt["items"], root / "again", "trajectory-again")
-    from tasks.store.formats import canonicalize_safetensors
+    from tasks.store.stored_files import canonicalize_safetensors
     canonicalize_safetensors(again["lora"])
     assert Path(again["lora"]).read_bytes() == Path(lora["lora"]).read_bytes()
 

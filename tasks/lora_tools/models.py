@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tasks.lazy import lazy
-from tasks.lora_tools.formats import LoraToolError, read_header
+from tasks.lora_tools.lora_files import LoraToolError, read_header
 from tasks.lora_tools.ldm import unet_to_ldm
 from tasks.lora_tools.transformer_layouts import to_original
 from tasks.training.export import FAMILIES, write_safetensors

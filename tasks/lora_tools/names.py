@@ -13,7 +13,7 @@ import json
 import warnings
 
 from tasks.lazy import lazy
-from tasks.lora_tools.formats import LoraToolError, Pair
+from tasks.lora_tools.lora_files import LoraToolError, Pair
 from tasks.training.export import kohya_rows, to_kohya
 
 torch = lazy("torch")

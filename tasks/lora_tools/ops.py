@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from tasks.lazy import lazy
-from tasks.lora_tools.formats import LoraToolError, Pair
+from tasks.lora_tools.lora_files import LoraToolError, Pair
 
 torch = lazy("torch")
 

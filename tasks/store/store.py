@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.store import debris, formats
+from tasks.store import debris, stored_files
 from tasks.store.entry_index import EntryIndex
 from tasks.store.repairs import note_repair
 from tasks.store.hashing import canonical_json, digest_bytes, digest_file, digest_text, digest_tree, key_of
@@ -85,10 +85,10 @@ def _read_manifest(entry: Path) -> dict:
 
 
 def _check_format(data: Path) -> None:
-    """The data's format beyond its digest (tasks/store/formats.py): a file planted with a matching manifest is refused."""
+    """The data's format beyond its digest (tasks/store/stored_files.py): a file planted with a matching manifest is refused."""
     try:
-        formats.check_format(data)
-    except formats.FormatError as e:
+        stored_files.check_format(data)
+    except stored_files.FormatError as e:
         raise CorruptArtifact(str(e)) from e
 
 
@@ -310,7 +310,7 @@ class Store:
 
     def tensor_shapes(self, kind: str, key: str) -> dict[str, list[int]]:
         """Name -> shape of a verified safetensors entry, from its header (the tensors are not loaded)."""
-        return {k: v["shape"] for k, v in formats.safetensors_header(self.verify(kind, key)).items()
+        return {k: v["shape"] for k, v in stored_files.safetensors_header(self.verify(kind, key)).items()
                 if k != "__metadata__"}
 
     def get_json(self, kind: str, key: str) -> Any:

@@ -57,7 +57,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from tasks.store.formats import canonicalize_safetensors
+from tasks.store.stored_files import canonicalize_safetensors
 from tasks.training.dora_export import dora_scales, split_dora
 from tasks.lazy import lazy
 

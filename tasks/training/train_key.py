@@ -76,7 +76,7 @@ def _text_encoders(cfg: dict, plan: dict) -> dict:
 
 def _validation(cfg: dict, plan: dict, pair) -> dict:
     # The held-out items (their losses are stored with the LoRA), only when data.validation_split is set.
-    from tasks.training.validation import DRAWS, VALIDATION_SEED
+    from tasks.training.validation_loss import DRAWS, VALIDATION_SEED
 
     held = set(plan.get("validation_items", []))
     if not held:

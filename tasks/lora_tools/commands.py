@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tasks.lora_tools import models, names, ops
-from tasks.lora_tools.formats import DIFFUSERS, FORMATS, KOHYA, LoraToolError, lora_metadata, read_lora, write_lora
+from tasks.lora_tools.lora_files import DIFFUSERS, FORMATS, KOHYA, LoraToolError, lora_metadata, read_lora, write_lora
 from tasks.training.export import FAMILIES
 
 PROG = "loraflow-lora"
