@@ -19,8 +19,9 @@ recompute is added. The model runs under FakeTensorMode: tensors carry real shap
 tests/test_bench_memory.py checks the byte counts equal a real CPU run's at a reduced size.
 
 What is held = weights + LoRA, gradients, optimizer + saved activations (+ the largest recompute). Left out:
-transient buffers (the gradient flowing between blocks, one layer's upcast fp8 weight, matmul workspaces),
-the CUDA context and allocator fragmentation: a GPU's peak is somewhat higher (bench/gpu.py measures that).
+transient buffers (the gradients in flight, one layer's upcast or dequantized weight): `peak_gib` counts them,
+the peak of live tensor bytes over the whole step (bench/memory_peak.py), what a GPU's max_memory_allocated
+shows; neither has the CUDA context, kernel workspaces or allocator fragmentation (bench/gpu.py measures those).
 """
 from __future__ import annotations
 
@@ -210,7 +211,12 @@ def row(name: str, resolution: int, text_len: int, fp8: bool, ckpt: bool, modula
     held = {opt: m["weights_bytes"] + lora_bytes + m["lora_params"] * b + m["activation_bytes"]
             for opt, b in OPTIMIZER_BYTES.items()}
     est = preflight(folder, resolution, text_len, fp8, ckpt, modulation, rank)
+    from bench.memory_peak import breakdown, flux_peak
+
+    peak = flux_peak(arch, resolution, text_len, fp8, ckpt, modulation, rank)  # live storages, the whole step
     return {"name": name, "measured_gib": held["adamw"] / GIB, "preflight_gib": est["total_gb"], "host_gib": 0.0,
+            "peak_gib": peak["peak_bytes"] / GIB, "peak_phase": peak["phase"], "peak_breakdown_gib": breakdown(peak),
+            "preflight_transient_gib": est["transient_gb"],
             "estimate_error": est["total_gb"] / (held["adamw"] / GIB) - 1,
             "resolution": resolution, "image_tokens": (resolution // 16) ** 2, "text_tokens": text_len,
             "rank": rank, "fp8": fp8, "checkpointing": ckpt, "modulation_fp8": modulation,
@@ -223,7 +229,7 @@ def row(name: str, resolution: int, text_len: int, fp8: bool, ckpt: bool, modula
 
 
 TABLE_HEAD = ("| config | size | weights | LoRA + grads + AdamW | saved activations | + recompute | measured | "
-              "preflight | error |\n|---|---|---|---|---|---|---|---|---|")
+              "peak | preflight |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def table(rows: list[dict]) -> str:
@@ -231,8 +237,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['name']} | {r['resolution']} | {r['weights_gib']:.2f} | "
                      f"{r['lora_and_grads_gib'] + r['adamw_state_gib']:.2f} | {r['saved_activations_gib']:.2f} | "
-                     f"{r['recompute_gib']:.2f} | {r['measured_gib']:.2f} | {r['preflight_gib']:.2f} | "
-                     f"{r['estimate_error'] * 100:+.1f} % |")
+                     f"{r['recompute_gib']:.2f} | {r['measured_gib']:.2f} | {r['peak_gib']:.2f} | "
+                     f"{r['preflight_gib']:.2f} |")
     return "\n".join(lines)
 
 
@@ -269,7 +275,7 @@ def main(argv=None) -> int:
                     label = name if i == 0 else f"{name}@{res}"  # the first size keeps the plain names
                     rows.append(row(label, res, args.text_len, fp8, ckpt, modulation, args.rank, FLUX_DEV, folder))
                     r = rows[-1]
-                    print(f"  {label:<18} measured {r['measured_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} "
+                    print(f"  {label:<18} measured {r['measured_gib']:6.2f} GiB  peak {r['peak_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} "
                           f"GiB ({r['estimate_error'] * 100:+.1f} %)  {r['seconds']:.1f} s", flush=True)
     check = None if args.no_check else real_check(FLUX_DEV, args.rank, wanted)
     goal = next((r for r in rows if r["name"] == "fp8+ckpt"), None)
@@ -284,6 +290,10 @@ def main(argv=None) -> int:
                                               "meets": goal["measured_gib"] <= 16,
                                               "over_by_gib": max(0.0, goal["measured_gib"] - 16)},
            "configs": rows, "check": check, "total_seconds": time.perf_counter() - t0}
+    if Path(args.out).exists():  # the families' rows (and their card table) are kept: `--families` merges them
+        old = json.loads(Path(args.out).read_text())
+        doc["configs"] = rows + [r for r in old.get("configs", []) if ":" in r["name"]]
+        doc.update({k: old[k] for k in ("family_goals", "cards", "families_seconds") if k in old})
     Path(args.out).write_text(json.dumps(doc, indent=1, default=list))
     print("\n" + table(rows) + f"\n\nwrote {args.out} in {doc['total_seconds']:.0f} s")
     return 0 if check is None or check["all_equal"] else 1
@@ -291,7 +301,10 @@ def main(argv=None) -> int:
 
 def real_check(arch: dict, rank: int, wanted: set) -> dict:
     """FLUX.1-dev's width, heads and LoRA with 1 double + 1 single block at 64 image + 16 text tokens, run on
-    real CPU tensors and on fake ones: every byte count must be equal (else the fake figures are not trusted)."""
+    real CPU tensors and on fake ones: every byte count (the live peak of bench/memory_peak.py too) must be equal
+    (else the fake figures are not trusted)."""
+    from bench.memory_peak import flux_peak
+
     small = dict(arch, num_layers=1, num_single_layers=1)
     out = {"arch": "FLUX.1-dev width, 1 double + 1 single block", "image_tokens": 64, "text_tokens": 16,
            "configs": {}}
@@ -299,6 +312,9 @@ def real_check(arch: dict, rank: int, wanted: set) -> dict:
         if name in wanted:
             real = measure(small, 128, 16, fp8, ckpt, modulation, rank, fake=False)
             fake = measure(small, 128, 16, fp8, ckpt, modulation, rank, fake=True)
+            flux_peak(small, 128, 16, fp8, ckpt, modulation, rank)  # imports what the step imports lazily
+            peaks = [flux_peak(small, 128, 16, fp8, ckpt, modulation, rank, fake=f)["peak_bytes"] for f in (False, True)]
+            real["peak_bytes"], fake["peak_bytes"] = peaks
             out["configs"][name] = {"real": real, "fake": fake, "equal": real == fake}
             print(f"  check {name:<14} real == fake: {real == fake} (saved {real['saved_bytes']} B, recompute "
                   f"{real['recompute_bytes']} B)", flush=True)

@@ -51,14 +51,17 @@ def test_preflight_estimate_within_10_percent_of_measured(flux_dev):
     for r in rows:
         est = preflight(flux_dev, r["resolution"], r["text_tokens"], r["fp8"], r["checkpointing"],
                         r["modulation_fp8"], r["rank"])
-        assert est["total_gb"] == pytest.approx(r["measured_gib"], rel=PREFLIGHT_WITHIN), r["name"]
+        # the total against the live peak (bench/memory_peak.py): since issue 43 the preflight counts the
+        # transients a GPU's peak holds, which measured_gib (what is held) leaves out
+        assert est["total_gb"] == pytest.approx(r["peak_gib"], rel=PREFLIGHT_WITHIN), r["name"]
         assert est["activations_gb"] == pytest.approx(r["activations_gib"], rel=PREFLIGHT_WITHIN), r["name"]
         assert est["weights_gb"] == r["weights_gib"], r["name"]  # the same integer count, divided alike
 
 
 def test_big_base_rows_meet_their_goals_and_the_preflight_holds(tmp_path):
     """bench/memory.json's `<model>:<options>` rows (bench/memory_families.py): the preflight as the code computes
-    it now is the recorded one and within 10 % of the measured bytes; each model has a row under its goal."""
+    it now is the recorded one and within 10 % of the live peak (peak_gib: what a GPU's max_memory_allocated
+    shows, transients included, issue 43); each model has a row under its goal."""
     from bench import memory_families
 
     rows = [r for r in json.loads(MEASURED.read_text())["configs"] if ":" in r["name"]]
@@ -67,6 +70,6 @@ def test_big_base_rows_meet_their_goals_and_the_preflight_holds(tmp_path):
         est = memory_families.preflight(r["name"], tmp_path, r["resolution"], r["text_tokens"], r["rank"])
         assert est["total_gb"] == pytest.approx(r["preflight_gib"], rel=1e-12), r["name"]  # same sums, same order
         assert est["host_gb"] == pytest.approx(r["host_gib"], rel=0.01), r["name"]  # NF4/int8: formula vs torchao
-        assert r["preflight_gib"] == pytest.approx(r["measured_gib"], rel=PREFLIGHT_WITHIN), r["name"]
+        assert r["preflight_gib"] == pytest.approx(r["peak_gib"], rel=PREFLIGHT_WITHIN), r["name"]
     for model, limit in memory_families.GOALS.items():
         assert any(r["measured_gib"] <= limit for r in rows if r["name"].startswith(model + ":")), model

@@ -6,8 +6,9 @@ would make it fit.
 The activation term is linear in tokens x width per block, with constants measured by `python -m bench.memory`
 on FLUX.1-dev (bf16 autocast, rank 16, 1024 and 512 px + 512 text tokens; bench/memory.json): what autograd
 saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise). For SD3 and the UNets the
-Flux constants are a rule of thumb, not measured. Transient buffers, the CUDA context and fragmentation are not in it: `bench/gpu.py` measures a GPU's
-real peak."""
+Flux constants are a rule of thumb, not measured. The transient term (gradients in flight, a quantized weight's
+dequantize) is measured by bench/memory_peak.py's live-storage count (peak_gib); the CUDA context and fragmentation
+are not in it: `bench/gpu.py` measures a GPU's real peak."""
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,13 @@ WAN_FACTORS = (30.7, 1.03, 31.6)
 # LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
 # frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
 LTX2_FACTORS = (37.0, 1.03, 40.0)
+# Transients a GPU's peak (max_memory_allocated) holds beyond what autograd saves, measured by bench.memory_peak
+# (live storages over a whole step; issue 43): the gradients in flight inside one block's backward, per token x
+# width (FLUX.1-dev bf16+ckpt 13.3, Wan 14B nf4+ckpt 12.1); or, where larger, the dequantize of the largest stored
+# Linear in flight, bytes per element inside fp8_base.upcast, its bf16 output included (torchao's NF4 decodes
+# through int64 indices; int8 through fp32), at the first block's backward, before the LoRA's gradients exist
+TRANSIENT_FACTOR = 13.0
+UPCAST_BYTES = {"float8_e4m3fn": 2.0, "float8_e5m2": 2.0, "int8": 7.0, "nf4": 14.05}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
@@ -245,9 +253,13 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
         activations = (blocks * ckpt_input + recompute) * unit
     else:
         activations = blocks * per_block * unit
-    total = held_bytes + lora_bytes + activations
+    largest = max((_numel(shapes[k]) for k, b in per_weight.items() if stored and k.endswith(".weight")
+                   and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc["dtype"]]), default=0)
+    transient = max(TRANSIENT_FACTOR * unit, UPCAST_BYTES.get(stored, 0.0) * largest - lora * 4)
+    total = held_bytes + lora_bytes + activations + transient
     return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
-            "activations_gb": activations / GB, "total_gb": total / GB, "host_gb": host_bytes / GB}
+            "activations_gb": activations / GB, "transient_gb": transient / GB, "total_gb": total / GB,
+            "host_gb": host_bytes / GB}
 
 
 def errors(cfg: dict, adapter_cls) -> list[str]:
