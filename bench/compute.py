@@ -43,7 +43,7 @@ def plan_for(cfg: dict):
     return validate.run(cfg, store), store
 
 
-def _paired(runs: dict) -> list[float]:
+def paired_ratios(runs: dict) -> list[float]:
     """ours/bare per round (the two ran back to back): shows drift from other load on the machine."""
     return [o / b for o, b in zip(runs["ours"], runs["bare"])]
 
@@ -98,7 +98,7 @@ def bench_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dic
     runs = alternate({"ours": ours, "bare": bare}, reps)
     return {"ours_images_per_s": runs["ours"], "bare_images_per_s": runs["bare"],
             "ours_median": median(runs["ours"]), "bare_median": median(runs["bare"]),
-            "ratio": median(runs["ours"]) / median(runs["bare"]), "paired_ratios": _paired(runs),
+            "ratio": median(runs["ours"]) / median(runs["bare"]), "paired_ratios": paired_ratios(runs),
             "images": len(images), "size": [w, h],
             "latent_keys": result["items"]}
 
@@ -159,7 +159,7 @@ def bench_text(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dict:
     runs = alternate({"ours": ours, "bare": bare}, reps)
     return {"ours_texts_per_s": runs["ours"], "bare_texts_per_s": runs["bare"],
             "ours_median": median(runs["ours"]), "bare_median": median(runs["bare"]),
-            "ratio": median(runs["ours"]) / median(runs["bare"]), "paired_ratios": _paired(runs), "texts": len(texts),
+            "ratio": median(runs["ours"]) / median(runs["bare"]), "paired_ratios": paired_ratios(runs), "texts": len(texts),
             "text_keys": result["items"]}
 
 

@@ -33,16 +33,17 @@ downloads them as wheels to carry (see bench/README.md).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# the training setup, shared with the units, the bare loops and bench.memory (re-exported for callers)
+from bench.flux_train import (CONFIGS, FLUX_DEV, LABELS, TINY, TRAIN_CFG, build, bytes_by_dtype, inputs,  # noqa: E402,F401
+                              run_config, train_step)
 GIB = 1 << 30
 
 
@@ -56,147 +57,6 @@ def run_unit_here(*a):
     from bench.gpu_units import run_unit_here as run
 
     return run(*a)
-
-# FLUX.1-dev transformer/config.json
-FLUX_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-TINY = dict(FLUX_DEV, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-# (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)
-CONFIGS = (("bf16", False, False, False), ("bf16+ckpt", False, True, False), ("fp8+ckpt", True, True, False),
-           ("fp8-all+ckpt", True, True, True))
-LABELS = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkpointing",
-          "fp8+ckpt": "fp8 base + gradient checkpointing",
-          "fp8-all+ckpt": "fp8 base incl. modulation + gradient checkpointing"}
-# The train node's flow-matching settings (conf/train defaults; tasks/config.py TrainConfig).
-TRAIN_CFG = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
-                 optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
-
-
-def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool = False):
-    """(adapter, denoiser, LoRA parameters), prepared by the train node's own code."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    from tasks.models.flux import FluxAdapter
-    from tasks.training.train_setup import prepare_denoiser
-
-    class RandomFlux(FluxAdapter):
-        def load_denoiser(self):  # random bf16 weights made on the device: no file, no fp32 copy anywhere
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    return FluxTransformer2DModel(**arch)
-            finally:
-                torch.set_default_dtype(previous)
-
-    adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
-    cfg = {"model": {"storage_dtype": "float8_e4m3fn" if fp8 else None, "storage_modulation": modulation},
-           "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": ckpt}}
-    denoiser, named = prepare_denoiser(adapter, cfg)
-    denoiser.train()
-    return adapter, denoiser, list(named.values())
-
-
-def train_step(adapter, model, params, opt, scheduler, latents, text, generators):
-    """One step as the train node takes it under train.mixed_precision=bf16: the adapter's loss, backward,
-    gradient clipping, the optimizer. Returns the loss."""
-    import torch
-
-    with torch.autocast(latents.device.type, dtype=torch.bfloat16):
-        loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, generators)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG["max_grad_norm"])
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-def inputs(arch: dict, resolution: int, text_len: int, batch: int, device):
-    """Cached latents and text of one batch, as the train node reads them from the store."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=torch.bfloat16)
-
-    latent = resolution // 8  # the VAE's factor; the adapter packs 2x2
-    return rnd(batch, arch["in_channels"] // 4, latent, latent), {
-        "prompt_embeds": rnd(batch, text_len, arch["joint_attention_dim"]),  # T5 states
-        "pooled_prompt_embeds": rnd(batch, arch["pooled_projection_dim"]),  # CLIP pooled
-    }
-
-
-def run_config(name: str, fp8: bool, ckpt: bool, modulation: bool, args, arch: dict, device) -> dict:
-    import torch
-
-    cuda = device.type == "cuda"
-    out = {"config": name, "fp8": fp8, "checkpointing": ckpt, "modulation_fp8": modulation, "oom": False, "error": None, "step_s": [],
-           "peak_gib": None, "weights_gib": None, "build_peak_gib": None}
-    model = params = opt = latents = text = None
-    try:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        from tasks.training.train_setup import make_optimizer
-
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        adapter, model, params = build(arch, device, fp8, ckpt, args.rank, modulation)
-        out["build_s"] = time.perf_counter() - t
-        out["params"] = sum(p.numel() for p in model.parameters())
-        out["lora_params"] = sum(p.numel() for p in params)
-        out["weight_bytes_by_dtype"] = _bytes_by_dtype(model)
-        latents, text = inputs(arch, args.resolution, args.text_len, args.batch, device)
-        opt = make_optimizer(TRAIN_CFG, params)
-        scheduler = FlowMatchEulerDiscreteScheduler()  # training reads only its sigmas and timesteps
-        if cuda:
-            torch.cuda.synchronize()
-            out["build_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-            out["weights_gib"] = torch.cuda.memory_allocated() / GIB
-            torch.cuda.reset_peak_memory_stats()
-        for step in range(args.warmup + args.steps):
-            t = time.perf_counter()
-            generators = [torch.Generator().manual_seed(step * args.batch + j) for j in range(args.batch)]
-            loss = train_step(adapter, model, params, opt, scheduler, latents, text, generators)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-            if step >= args.warmup:
-                out["step_s"].append(dt)
-            print(f"  {name}: step {step + 1}/{args.warmup + args.steps} {dt:.3f} s loss {loss.item():.4g}", flush=True)
-            del loss
-    except torch.cuda.OutOfMemoryError as e:
-        out["oom"] = True
-        out["error"] = str(e).splitlines()[0]
-    except Exception as e:  # recorded; the next configuration still runs
-        import traceback
-
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    finally:
-        del model, params, opt, latents, text
-        gc.collect()
-        if cuda:
-            try:  # after a CUDA error the context is gone: keep the error recorded above
-                out["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-                torch.cuda.empty_cache()
-            except Exception as e:  # noqa: BLE001
-                out["error"] = out["error"] or f"{type(e).__name__}: {e}"
-    out["step_median_s"] = statistics.median(out["step_s"]) if out["step_s"] else None
-    return out
-
-
-def _bytes_by_dtype(model) -> dict:
-    sizes: dict = {}
-    for p in model.parameters():
-        key = str(p.dtype).replace("torch.", "")
-        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-    return {k: round(v / GIB, 4) for k, v in sizes.items()}
 
 
 def weights_only(out_path: Path, rank: int) -> int:
@@ -212,8 +72,8 @@ def weights_only(out_path: Path, rank: int) -> int:
         rows.append({"config": name, "params": sum(p.numel() for p in model.parameters()),
                      "lora_params": sum(p.numel() for p in params), "weights_gib": base / GIB,
                      "lora_fp32_gib": sum(p.numel() * 4 for p in params) / GIB,
-                     "weight_bytes_by_dtype_gib": _bytes_by_dtype(model)})
-        print(f"  {LABELS[name]:<52} weights {base / GIB:6.2f} GiB  by dtype {rows[-1]['weight_bytes_by_dtype_gib']}")
+                     "weightbytes_by_dtype_gib": bytes_by_dtype(model)})
+        print(f"  {LABELS[name]:<52} weights {base / GIB:6.2f} GiB  by dtype {rows[-1]['weightbytes_by_dtype_gib']}")
     out_path.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                     "arch": FLUX_DEV, "rank": rank, "torch": torch.__version__,
                                     "configs": rows}, indent=1, default=str))

@@ -29,7 +29,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from peft import LoraConfig
 
-    from bench.gpu import TRAIN_CFG, build, inputs, train_step
+    from bench.flux_train import TRAIN_CFG, build, inputs, train_step
     from tasks.training.memory import lora_targets
     from tasks.training.train_setup import make_optimizer
 

@@ -30,7 +30,7 @@ def _sdpa(choice: str):
 
 def unit(name: str, args, arch: dict, device) -> dict:
     """One unit in this process."""
-    from bench import gpu
+    from bench import flux_train as gpu  # the settings and their timed runs
     from bench.gpu_bare import latents_vs_bare, train_step_vs_bare
 
     with _sdpa(args.sdpa):
@@ -109,7 +109,7 @@ def run_units(args, arch: dict, device, configs) -> tuple[list[dict], dict]:
 
 def preflight(args, arch: dict, configs, rows: list[dict]) -> list[dict]:
     """The validate node's estimate and bench.memory's CPU-measured bytes beside each measured peak."""
-    from bench.gpu import LABELS
+    from bench.flux_train import LABELS
     from bench.memory import preflight as estimate, write_headers
 
     cpu = {} if args.tiny else {r["name"]: r["measured_gib"] for r in json.loads((HERE / "memory.json").read_text())["configs"]

@@ -34,88 +34,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.fake_step import SavedTensors, count_step, model_headers, storage_key, to_fake  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 # (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)
 CONFIGS = (("bf16", False, False, False), ("fp8", True, False, False), ("bf16+ckpt", False, True, False),
            ("fp8+ckpt", True, True, False), ("fp8-all+ckpt", True, True, True))
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2}  # per LoRA parameter: two fp32 moments / two 1-byte moments
-
-
-def _key(t):
-    """One key per storage: views of one storage share it."""
-    return t.untyped_storage()._cdata
-
-
-class SavedTensors:
-    """Distinct storages autograd saves (outer hook) and those each checkpoint recompute saves, parameters out."""
-
-    def __init__(self, model):
-        self.params = {_key(p) for p in model.parameters()}
-        self.saved: dict[int, int] = {}  # storage -> bytes
-        self.keep: list = []  # keeps storages alive while counted, so no key is reused
-        self.recomputes: list[int] = []
-
-    def _add(self, t, into: dict) -> None:
-        k = _key(t)
-        if k not in self.params and k not in self.saved and k not in into:
-            into[k] = t.untyped_storage().nbytes()
-            self.keep.append(t)
-
-    def hooks(self):
-        from torch.autograd.graph import saved_tensors_hooks
-
-        def pack(t):
-            self._add(t, self.saved)
-            return t  # kept as autograd would keep it: counting changes nothing
-        return saved_tensors_hooks(pack, lambda t: t)
-
-    @contextlib.contextmanager
-    def recompute_hooks(self):
-        """torch.utils.checkpoint looks `_recomputation_hook` up at each recompute: a subclass counts what the
-        recompute of one block saves, then hands it on."""
-        import torch.utils.checkpoint as cp
-
-        original, counter = cp._recomputation_hook, self
-
-        class Counting(original):
-            def __init__(self, *args):
-                super().__init__(*args)
-                inner, seen = self.pack_hook, {}
-                counter.recomputes.append(0)
-
-                def pack(t):
-                    counter._add(t, seen)
-                    counter.recomputes[-1] = sum(seen.values())
-                    return inner(t)
-                self.pack_hook = pack
-
-        cp._recomputation_hook = Counting
-        try:
-            yield
-        finally:
-            cp._recomputation_hook = original
-
-    @property
-    def total(self) -> int:
-        return sum(self.saved.values())
-
-
-def _to_fake(model, params, mode) -> list:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    lora = {id(p) for p in params}
-    out = []
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            fake = torch.nn.Parameter(FakeTensor(mode, p.data, torch.device("cpu")), requires_grad=p.requires_grad)
-            setattr(module, name, fake)
-            if id(p) in lora:
-                out.append(fake)
-        for name, b in list(module.named_buffers(recurse=False)):
-            setattr(module, name, FakeTensor(mode, b, torch.device("cpu")))
-    return out
 
 
 def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,
@@ -125,7 +51,7 @@ def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, m
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.gpu import build, inputs
+    from bench.flux_train import build, inputs
 
     cpu = torch.device("cpu")
     scheduler = FlowMatchEulerDiscreteScheduler()
@@ -135,31 +61,16 @@ def measure(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool, m
     # parameter becomes a fake CPU tensor with the same shape, dtype and requires_grad.
     adapter, model, params = build(arch, torch.device("meta") if fake else cpu, fp8, ckpt, rank, modulation)
     if fake:
-        params = _to_fake(model, params, mode)
+        params = to_fake(model, params, mode)
     with mode or contextlib.nullcontext():
-        lora = {_key(p) for p in params}
-        weights = sum(p.numel() * p.element_size() for p in model.parameters() if _key(p) not in lora)
+        lora = {storage_key(p) for p in params}
+        weights = sum(p.numel() * p.element_size() for p in model.parameters() if storage_key(p) not in lora)
         lora_params = sum(p.numel() for p in params)
         latents, text = inputs(arch, resolution, text_len, 1, cpu)
         grads, saved, recompute = count_step(adapter, model, params, latents, text, scheduler)
         del model, params, latents, text
     return {"weights_bytes": weights, "lora_params": lora_params, "lora_grad_bytes": grads,
             "saved_bytes": saved, "recompute_bytes": recompute, "activation_bytes": saved + recompute}
-
-
-def count_step(adapter, model, params, latents, text, scheduler) -> tuple[int, int, int]:
-    """(LoRA gradient bytes, bytes autograd saves, the largest recompute's) of one bf16-autocast step."""
-    import torch
-
-    from bench.gpu import TRAIN_CFG
-
-    counter = SavedTensors(model)
-    with counter.hooks(), torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, [torch.Generator().manual_seed(0)])
-    with counter.recompute_hooks():
-        loss.backward()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    return grads, counter.total, max(counter.recomputes, default=0)
 
 
 def write_headers(folder: Path, arch: dict) -> Path:
@@ -171,20 +82,6 @@ def write_headers(folder: Path, arch: dict) -> Path:
     with torch.device("meta"):
         model = FluxTransformer2DModel(**arch)
     return model_headers(model, Path(folder))
-
-
-def model_headers(model, folder: Path) -> Path:
-    """`folder`/transformer: the model's config.json and a header-only safetensors file of its bf16 shapes."""
-    sub = Path(folder) / "transformer"
-    sub.mkdir(parents=True, exist_ok=True)
-    (sub / "config.json").write_text(json.dumps(dict(model.config), default=list))
-    header, offset = {}, 0
-    for name, t in model.state_dict().items():
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel() * 2]}
-        offset += t.numel() * 2
-    raw = json.dumps(header).encode()
-    (sub / "diffusion_pytorch_model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    return Path(folder)
 
 
 def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,
@@ -247,7 +144,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.gpu import FLUX_DEV
+    from bench.flux_train import FLUX_DEV
 
     ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(HERE / "memory.json"), help="JSON file (default bench/memory.json)")

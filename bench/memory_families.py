@@ -29,6 +29,9 @@ import re
 import time
 from pathlib import Path
 
+from bench.family_models import (GEOMETRY, batch_inputs, geometry, model_table, parse, quantized_bytes,  # noqa: F401
+                                  random_adapter, train_config, weights)
+
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+swap20", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
@@ -38,96 +41,6 @@ ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+sw
         "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
         "wan14b_81f:nf4+ckpt+offload+swap11",
         "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt")
-# A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
-# 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
-GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81), "ltx2": ((768, 512), 121),
-            "ltx2_49f": ((768, 512), 49)}
-
-
-def _size(model: str, resolution: int) -> tuple[tuple[int, int], int]:
-    return GEOMETRY.get(model, ((resolution, resolution), 1))
-
-
-def _models() -> dict:
-    from bench.gpu import FLUX_DEV
-
-    # (adapter, denoiser class, config): the class defaults are Qwen/Qwen-Image's and FLUX.2-dev's configs
-    return {"flux_dev": ("tasks.models.flux:FluxAdapter", "FluxTransformer2DModel", FLUX_DEV),
-            "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "QwenImageTransformer2DModel", {}),
-            "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "Flux2Transformer2DModel", {}),
-            # WanTransformer3DModel's defaults are Wan-AI/Wan2.1-T2V-14B's config (5120 wide, 40 blocks)
-            "wan14b": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
-            "wan14b_81f": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
-            # LTX2VideoTransformer3DModel's defaults are Lightricks/LTX-2's (48 blocks, 4096 wide video stream)
-            "ltx2": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {}),
-            "ltx2_49f": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {})}
-
-
-def parse(options: str) -> dict:
-    parts = options.split("+")
-    swap = next((int(p[4:]) for p in parts if re.fullmatch(r"swap\d+", p)), 0)
-    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap, "offload": "offload" in parts}
-
-
-def _adapter(model: str, device):
-    import importlib
-
-    import diffusers
-    import torch
-
-    ref, cls_name, arch = _models()[model]
-    module, name = ref.split(":")
-    base = getattr(importlib.import_module(module), name)
-    cls = getattr(diffusers, cls_name)
-
-    class Random(base):
-        def load_denoiser(self):  # random bf16 weights on `device` (meta: shapes only); no file
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    return cls(**arch)
-            finally:
-                torch.set_default_dtype(previous)
-
-    return Random(HERE, "bfloat16"), cls, arch
-
-
-def _inputs(model: str, config: dict, resolution: int, text_len: int):
-    import torch
-
-    def z(*shape):
-        return torch.zeros(*shape, dtype=torch.bfloat16)
-
-    if model == "flux_dev":
-        from bench.gpu import inputs
-
-        return inputs(config, resolution, text_len, 1, torch.device("cpu"))
-    if model.startswith("ltx2"):  # 128-channel latents (/8 in time, /32 in space); the connectors' video and audio text
-        (w, h), frames = _size(model, resolution)
-        return z(1, 128, 1 + (frames - 1) // 8, h // 32, w // 32), {
-            "prompt_embeds": z(1, text_len, config["caption_channels"]),
-            "audio_prompt_embeds": z(1, text_len, config["caption_channels"]),
-            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}
-    if model.startswith("wan14b"):  # 16-channel latents of the video VAE (/4 in time, /8 in space); UMT5 states
-        (w, h), frames = _size(model, resolution)
-        return z(1, 16, 1 + (frames - 1) // 4, h // 8, w // 8), {"prompt_embeds": z(1, text_len, config["text_dim"])}
-    if model == "qwenimage":  # 16-channel /8 latents, packed 2x2 by the adapter; Qwen2.5-VL states and mask
-        return z(1, 16, resolution // 8, resolution // 8), {
-            "prompt_embeds": z(1, text_len, config["joint_attention_dim"]),
-            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}
-    # FLUX.2: the VAE's 32 channels patchified 2x2 (128 at /16); Mistral's three stacked states
-    return z(1, config["in_channels"], resolution // 16, resolution // 16), {
-        "prompt_embeds": z(1, text_len, config["joint_attention_dim"])}
-
-
-def _cfg(opts: dict, text_len: int, rank: int, frames: int = 1) -> dict:
-    store = opts["store"]
-    return {"data": {"frames": frames}, "model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
-                      "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
-            "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
-                      "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"],
-                      "gradient_checkpointing_offload": opts.get("offload", False)}}
 
 
 def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
@@ -137,17 +50,17 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.memory import _to_fake, count_step
+    from bench.fake_step import count_step, to_fake
     from tasks.training.train_setup import prepare_denoiser
 
-    adapter, _, _ = _adapter(model, torch.device("meta"))
-    den, named = prepare_denoiser(adapter, _cfg({"store": "bf16", "ckpt": ckpt, "swap": 0, "offload": offload}, text_len, rank))
+    adapter, _, _ = random_adapter(model, torch.device("meta"))
+    den, named = prepare_denoiser(adapter, train_config({"store": "bf16", "ckpt": ckpt, "swap": 0, "offload": offload}, text_len, rank))
     den.train()
     scheduler = FlowMatchEulerDiscreteScheduler()  # real tensors: made outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = _to_fake(den, list(named.values()), mode)
+    params = to_fake(den, list(named.values()), mode)
     with mode, _host_counted() as host:
-        latents, text = _inputs(model, dict(den.config), resolution, text_len)
+        latents, text = batch_inputs(model, dict(den.config), resolution, text_len)
         grads, saved, recompute = count_step(adapter, den, params, latents, text, scheduler)
         out = {"lora_params": sum(p.numel() for p in params), "lora_grad_bytes": grads,
                "activation_bytes": saved + recompute, "host_bytes": sum(host.values())}
@@ -156,10 +69,10 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
 
 @contextlib.contextmanager
 def _host_counted():
-    """{storage: bytes} of what offload_checkpoint's save_on_cpu packs while the context is open."""
-    from tasks.training import offload_checkpoint
+    """{storage: bytes} of what activation_offload's save_on_cpu packs while the context is open."""
+    from tasks.training import activation_offload
 
-    original, seen = offload_checkpoint.save_on_cpu, {}
+    original, seen = activation_offload.save_on_cpu, {}
 
     class Counting(original):
         def __init__(self, pin_memory=False):
@@ -171,61 +84,19 @@ def _host_counted():
                 return pack(t)
             self.pack_hook = counted
 
-    offload_checkpoint.save_on_cpu = Counting
+    activation_offload.save_on_cpu = Counting
     try:
         yield seen
     finally:
-        offload_checkpoint.save_on_cpu = original
-
-
-@functools.lru_cache(maxsize=64)
-def _stored_bytes(shape: tuple, store: str) -> int:
-    """Bytes of torchao's tensor for a bf16 weight of this shape (real random values, quantized here)."""
-    import torch
-
-    from tasks.training.block_swap import stored_nbytes
-    from tasks.training.quantized_base import quantize_weight
-
-    q = quantize_weight(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16), store)
-    return stored_nbytes(q) if q is not None else 2 * torch.Size(shape).numel()
-
-
-def weights(model: str, opts: dict) -> dict:
-    """(device bytes, host bytes) of the base weights as training holds them with these options."""
-    import torch
-
-    from tasks.training.block_swap import blocks
-    from tasks.training.fp8_base import CASTABLE, skipped
-    from tasks.training.memory import layerwise_skip_patterns
-
-    adapter, cls, _ = _adapter(model, torch.device("meta"))
-    den = adapter.load_denoiser()
-    store, skip = opts["store"], layerwise_skip_patterns(cls, False)
-    swapped = {id(m) for b in blocks(den, adapter.swap_blocks)[len(blocks(den, adapter.swap_blocks)) - opts["swap"]:]
-               for m in b.modules()} if opts["swap"] else set()
-    device = host = in_flight = 0
-    for path, module in den.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            size = p.numel() * 2
-            if name == "weight" and isinstance(module, CASTABLE) and not skipped(path, skip):
-                if store in ("int8", "nf4") and isinstance(module, torch.nn.Linear):
-                    size = _stored_bytes(tuple(p.shape), store)
-                elif store == "fp8":
-                    size = p.numel()
-            if name == "weight" and isinstance(module, CASTABLE) and id(module) in swapped:
-                host += size
-                in_flight = max(in_flight, p.numel() * 2)
-            else:
-                device += size
-    return {"device": device + in_flight, "host": host, "in_flight": in_flight}
+        activation_offload.save_on_cpu = original
 
 
 def _headers(model: str, folder: Path) -> Path:
     import torch
 
-    from bench.memory import model_headers
+    from bench.fake_step import model_headers
 
-    adapter, _, _ = _adapter(model, torch.device("meta"))
+    adapter, _, _ = random_adapter(model, torch.device("meta"))
     return model_headers(adapter.load_denoiser(), folder / model)
 
 
@@ -236,9 +107,9 @@ def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 5
     from tasks.training.memory import estimate, lora_targets
 
     model, options = name.split(":")
-    adapter, cls, _ = _adapter(model, torch.device("meta"))
-    size, frames = _size(model, resolution)
-    cfg = _cfg(parse(options), text_len, rank, frames)
+    adapter, cls, _ = random_adapter(model, torch.device("meta"))
+    size, frames = geometry(model, resolution)
+    cfg = train_config(parse(options), text_len, rank, frames)
     return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
                     size, text_len, cls, adapter.swap_blocks)
 
@@ -263,7 +134,7 @@ def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, ra
             "estimate_error": est["total_gb"] / (measured / GIB) - 1, "weights_gib": w["device"] / GIB,
             "preflight_weights_gib": est["weights_gb"], "activations_gib": a["activation_bytes"] / GIB,
             "preflight_activations_gib": est["activations_gb"], "lora_params": a["lora_params"],
-            "resolution": resolution, "size": list(_size(model, resolution)[0]), "frames": _size(model, resolution)[1],
+            "resolution": resolution, "size": list(geometry(model, resolution)[0]), "frames": geometry(model, resolution)[1],
             "text_tokens": text_len, "rank": rank, "seconds": time.perf_counter() - t0}
 
 
@@ -281,7 +152,7 @@ def rows(names, folder: Path, **kw) -> list[dict]:
         print(f"  {name:<28} measured {r['measured_gib']:6.2f} GiB  peak {r['peak_gib']:6.2f} GiB  preflight {r['preflight_gib']:6.2f} GiB "
               f"({r['estimate_error'] * 100:+.1f} %)  host {r['host_gib']:5.2f} GiB  {r['seconds']:.1f} s", flush=True)
     with contextlib.suppress(Exception):
-        _stored_bytes.cache_clear()
+        quantized_bytes.cache_clear()
     return out
 
 
@@ -297,20 +168,20 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
     swapped."""
     import torch
 
-    from tasks.training.memory import block_order, estimate, lora_targets, _weights
+    from tasks.training.memory import block_order, estimate, lora_targets, header_shapes
 
-    adapter, cls, _ = _adapter(model, torch.device("meta"))
+    adapter, cls, _ = random_adapter(model, torch.device("meta"))
     head = _headers(model, folder)
     budget = card_gb * 1e9 / GIB - MARGIN_GIB
 
-    size, frames = _size(model, resolution)
+    size, frames = geometry(model, resolution)
 
     def total(options):
-        cfg = _cfg(parse(options), text_len, rank, frames)
+        cfg = train_config(parse(options), text_len, rank, frames)
         return estimate(cfg, head, "transformer", lora_targets(cfg["train"], adapter), size,
                         text_len, cls, adapter.swap_blocks)["total_gb"]
 
-    n_blocks = len(block_order(_weights(head / "transformer"), adapter.swap_blocks))
+    n_blocks = len(block_order(header_shapes(head / "transformer"), adapter.swap_blocks))
     for options in [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:
         if (gb := total(options)) <= budget:
             return f"{options} ({gb:.1f} GiB)"

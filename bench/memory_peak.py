@@ -142,9 +142,9 @@ def host_offload(tracker: LivePeak):
     """train.gradient_checkpointing_offload's save_on_cpu as on a GPU: the packed copy is host memory (not
     counted), the device tensor may die; unpacking makes a device copy again. On the CPU `.cpu()` and `.to(cpu)`
     return the tensor itself, so both copies are made explicit here (clones: the same bytes and lifetimes)."""
-    from tasks.training import offload_checkpoint
+    from tasks.training import activation_offload
 
-    original = offload_checkpoint.save_on_cpu
+    original = activation_offload.save_on_cpu
 
     class OnHost(original):
         def __init__(self, pin_memory=False):
@@ -156,11 +156,11 @@ def host_offload(tracker: LivePeak):
                 return host
             self.pack_hook, self.unpack_hook = pack, lambda host: host.clone()
 
-    offload_checkpoint.save_on_cpu = OnHost
+    activation_offload.save_on_cpu = OnHost
     try:
         yield
     finally:
-        offload_checkpoint.save_on_cpu = original
+        activation_offload.save_on_cpu = original
 
 
 def step_peak(adapter, model, params, latents, text, scheduler, tracker: LivePeak, train_cfg: dict) -> dict:
@@ -210,9 +210,9 @@ def family_peak(name: str, resolution: int = 1024, text_len: int = 512, rank: in
     from diffusers.hooks import HookRegistry
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.gpu import TRAIN_CFG
-    from bench.memory import _to_fake
-    from bench.memory_families import _adapter, _cfg, _inputs, _stored_bytes, parse, weights
+    from bench.flux_train import TRAIN_CFG
+    from bench.fake_step import to_fake
+    from bench.family_models import batch_inputs, parse, quantized_bytes, random_adapter, train_config, weights
     from tasks.training.block_swap import blocks
     from tasks.training.fp8_base import HOOK_NAME
     from tasks.training.train_setup import prepare_denoiser
@@ -220,26 +220,26 @@ def family_peak(name: str, resolution: int = 1024, text_len: int = 512, rank: in
     model, options = name.split(":")
     opts = parse(options)
     stored = opts["store"] in ("fp8", "int8", "nf4")
-    adapter, _, _ = _adapter(model, torch.device("meta"))
+    adapter, _, _ = random_adapter(model, torch.device("meta"))
     run = {**opts, "store": "fp8" if stored else "bf16", "swap": 0}
-    den, named = prepare_denoiser(adapter, _cfg(run, text_len, rank))
+    den, named = prepare_denoiser(adapter, train_config(run, text_len, rank))
     den.train()
     swapped = {id(m) for b in blocks(den, adapter.swap_blocks)[len(blocks(den, adapter.swap_blocks)) - opts["swap"]:]
                for m in b.modules()} if opts["swap"] else set()
     scheduler = FlowMatchEulerDiscreteScheduler()  # real tensors: made outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    params = _to_fake(den, list(named.values()), mode)
+    params = to_fake(den, list(named.values()), mode)
     kinds = {}
     for path, m in den.named_modules():
         hook = HookRegistry.check_if_exists_or_initialize(m).get_hook(HOOK_NAME) if hasattr(m, "weight") else None
         if hook is not None and isinstance(m, torch.nn.Linear):
             shape = tuple(m.weight.shape)
-            copy = _stored_bytes(shape, opts["store"]) if id(m) in swapped else 0
+            copy = quantized_bytes(shape, opts["store"]) if id(m) in swapped else 0
             kinds[id(m.weight)] = (opts["store"], copy, path)
     w = weights(model, opts)
     tracker = LivePeak()
     with mode, transient_upcast(tracker, kinds), host_offload(tracker):
-        latents, text = _inputs(model, dict(den.config), resolution, text_len)
+        latents, text = batch_inputs(model, dict(den.config), resolution, text_len)
         out = step_peak(adapter, den, params, latents, text, scheduler, tracker, TRAIN_CFG)
     resident = w["device"] - w["in_flight"]
     out["at_peak"] = {"base weights (stored)": resident, **out["at_peak"]}
@@ -254,14 +254,14 @@ def flux_peak(arch: dict, resolution: int, text_len: int, fp8: bool, ckpt: bool,
     from diffusers import FlowMatchEulerDiscreteScheduler
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bench.gpu import TRAIN_CFG, build, inputs
-    from bench.memory import _to_fake
+    from bench.flux_train import TRAIN_CFG, build, inputs
+    from bench.fake_step import to_fake
 
     torch.manual_seed(0)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     adapter, model, params = build(arch, torch.device("meta" if fake else "cpu"), fp8, ckpt, rank, modulation)
     if fake:
-        params = _to_fake(model, params, mode)
+        params = to_fake(model, params, mode)
     scheduler = FlowMatchEulerDiscreteScheduler()
     lora = {id(p) for p in params}
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lora)

@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _env(work: Path) -> None:
+def bench_env(work: Path) -> None:
     """Before anything imports Prefect: a private PREFECT_HOME and its ephemeral API, offline HF."""
     home = work / "prefect"
     os.environ["PREFECT_HOME"] = str(home)
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     clock0 = time.perf_counter()
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="loraflow-bench-"))
-    _env(work)
-    from bench import common, compute, rerun  # noqa: E402  (after _env)
+    bench_env(work)
+    from bench import common, compute, rerun  # noqa: E402  (after bench_env)
 
     q = args.quick
     sizes = {"mid_images": 8 if q else 16, "mid_prompts": 4, "reps": 2 if q else 9, "train_steps": 6 if q else 10,

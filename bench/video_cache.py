@@ -118,7 +118,7 @@ def bare_latents(model_dir, clips: list, frames: int, size, dtype: str, out: Pat
 def bench_video_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dict:
     """ours and bare alternated over the plan's clips: seconds per repetition, medians, ratio bare / ours."""
     from bench.common import alternate, median
-    from bench.compute import _paired, cache_latents_seconds
+    from bench.compute import paired_ratios, cache_latents_seconds
 
     clips = [it["image"] for it in plan["items"]]
     (frames,), result = {it["clip"]["frames"] for it in plan["items"]}, {}  # clips of one length only
@@ -148,7 +148,7 @@ def bench_video_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) 
     ours_cpu, bare_cpu = cpu["ours"][1:], cpu["bare"][1:]  # the warm-up round left out, as alternate does
     return {"clips": len(clips), "frames": frames, "size": list(plan["size"]), "reps": reps,
             "ours_s": runs["ours"], "bare_s": runs["bare"], "ours_median": ours_m, "bare_median": bare_m,
-            "ratio": bare_m / ours_m, "paired_ratios": [1 / r for r in _paired(runs)],
+            "ratio": bare_m / ours_m, "paired_ratios": [1 / r for r in paired_ratios(runs)],
             "ours_cpu_s": ours_cpu, "bare_cpu_s": bare_cpu, "cpu_ratio": median(bare_cpu) / median(ours_cpu),
             "latent_keys": result["items"]}
 
@@ -163,11 +163,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny-vae", action="store_true", help="tiny_wan's own VAE (development only)")
     ap.add_argument("--out", default=str(HERE / "video_cache.json"))
     args = ap.parse_args(argv)
-    from bench.run import _env
+    from bench.run import bench_env
 
     load_start, clock0 = os.getloadavg(), time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="loraflow-bench-video-"))
-    _env(work)  # before anything imports Prefect; HF offline
+    bench_env(work)  # before anything imports Prefect; HF offline
     from bench import common, compute
 
     try:

@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("tasks", "flows", "hydra_plugins")
+PACKAGES = ("tasks", "flows", "hydra_plugins", "bench")  # bench: no cycles, no private names; never imported by the product
 
 # What a package may import from the project (prefixes; a package may always import itself and tasks.lazy).
 # Read top down: each layer may import only layers below it.
@@ -27,7 +27,8 @@ LAYERS = {
     "tasks.lora_tools": ("tasks.training", "tasks.models"),
 }
 NEVER = {  # importer prefix -> what it must never import, whatever the layers say
-    "tasks": ("flows", "hydra_plugins", "prefect"),  # the pure core runs without Prefect
+    "tasks": ("flows", "hydra_plugins", "prefect", "bench"),  # the pure core runs without Prefect
+    "flows": ("bench",),  # benchmarks measure the product; it never needs them
 }
 
 

@@ -41,7 +41,7 @@ UPCAST_BYTES = {"float8_e4m3fn": 2.0, "float8_e5m2": 2.0, "int8": 7.0, "nf4": 14
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
-def _weights(folder: Path) -> dict[str, list[int]]:
+def header_shapes(folder: Path) -> dict[str, list[int]]:
     """Tensor name -> shape, from the safetensors headers of a model folder."""
     files = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(folder).glob("*.safetensors")))
     return _headers(files)
@@ -214,7 +214,7 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     tc, mc = cfg["train"], cfg["model"]
     folder = Path(model_dir) / denoiser_folder
     config = json.loads((folder / "config.json").read_text())
-    shapes = _weights(folder)
+    shapes = header_shapes(folder)
     params = sum(_numel(s) for s in shapes.values())
     # the skip patterns matter only with an fp8 base (and import diffusers: not for every no-op run)
     stored = stored_as(mc)
@@ -313,7 +313,7 @@ REMEDIES = (("train.gradient_checkpointing=true", ("train", "gradient_checkpoint
             ("model.quantize=nf4", ("model", "quantize"), "nf4"),
             ("train.batch_size=1", ("train", "batch_size"), 1))
 _QUANTIZE = ("fp8", "int8", "nf4")
-# with checkpointing (the combined search only): the saved block inputs on the host (offload_checkpoint.py)
+# with checkpointing (the combined search only): the saved block inputs on the host (activation_offload.py)
 OFFLOAD = ("train.gradient_checkpointing_offload=true", ("train", "gradient_checkpointing_offload"), True)
 
 
@@ -370,7 +370,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
     if est["total_gb"] > budget:
-        blocks = adapter.denoisers * len(block_order(_weights(Path(adapter.model_dir) / adapter.denoiser_subfolder),
+        blocks = adapter.denoisers * len(block_order(header_shapes(Path(adapter.model_dir) / adapter.denoiser_subfolder),
                                                      adapter.swap_blocks))
         fits = fitting_settings(cfg, budget, estimate_for, blocks)
         hint = ("would fit: " + "; ".join(fits)) if fits else (

@@ -139,7 +139,7 @@ def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
 
         swap_blocks(denoiser, adapter.swap_blocks, tc["blocks_to_swap"], adapter.dtype)
     if tc["gradient_checkpointing"] and tc.get("gradient_checkpointing_offload"):
-        from tasks.training.offload_checkpoint import offloaded_checkpoint
+        from tasks.training.activation_offload import offloaded_checkpoint
 
         denoiser.enable_gradient_checkpointing(offloaded_checkpoint)
     elif tc["gradient_checkpointing"]:

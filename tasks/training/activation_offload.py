@@ -7,7 +7,7 @@ pieces do it: torch.utils.checkpoint (non-reentrant, as diffusers' default) save
 the saved-tensor hooks of the caller (its `_NoopSaveInputs`), and its own hooks take every save inside the
 block; so a `torch.autograd.graph.save_on_cpu` context around the checkpoint call sends exactly those inputs to
 host memory (pinned with CUDA) and brings them back when the block is recomputed. The graph is plain
-checkpointing's, so the gradients are its bytes on any device (tests/test_offload_checkpoint.py). The copy to
+checkpointing's, so the gradients are its bytes on any device (tests/test_activation_offload.py). The copy to
 the host blocks the stream (save_on_cpu's), once per block and step; the copy back does not.
 
 diffusers calls it for every block of the denoiser (`enable_gradient_checkpointing(offloaded_checkpoint)`),

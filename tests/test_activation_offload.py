@@ -1,4 +1,4 @@
-"""train.gradient_checkpointing_offload (tasks/training/offload_checkpoint.py): the checkpointed blocks' inputs wait
+"""train.gradient_checkpointing_offload (tasks/training/activation_offload.py): the checkpointed blocks' inputs wait
 on the host. The graph is plain checkpointing's: the LoRA is byte-identical to it, for a transformer under bf16
 autocast, a UNet and a quantized base with a swapped block; every block's saved inputs are copied to host
 memory (a real copy on the CPU too) and leave what the graph holds; the preflight moves them to host_gb; refusals name
@@ -14,7 +14,7 @@ from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models import make_adapter
 from tasks.store import Store
-from tasks.training import offload_checkpoint
+from tasks.training import activation_offload
 from tasks.training.memory import GB, estimate, fitting_settings
 from tasks.training.train_setup import prepare_denoiser
 
@@ -82,7 +82,7 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
         return sum(saved.values()), {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
 
     plain_saved, plain_grads = step(False)
-    monkeypatch.setattr(offload_checkpoint, "save_on_cpu", Counting)
+    monkeypatch.setattr(activation_offload, "save_on_cpu", Counting)
     saved, grads = step(True)
     blocks = len(adapter.load_denoiser().transformer_blocks) + len(adapter.load_denoiser().single_transformer_blocks)
     assert len(copies) >= blocks and sum(copies) > 0  # every block's saved inputs went through the host copy
