@@ -143,8 +143,10 @@ class TrainConfig:
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
     gradient_checkpointing: bool = False
-    # With gradient_checkpointing: the blocks' saved inputs wait in host memory (tasks/training/offload_checkpoint.py)
+    # With gradient_checkpointing: the blocks' saved inputs wait in host memory (tasks/training/activation_offload.py)
     gradient_checkpointing_offload: bool = False
+    # Regional torch.compile of the repeated transformer blocks (tasks/training/compiled_blocks.py); in the key
+    compile: bool = False
     # The frozen weights of the last N transformer blocks held in host memory, copied in for each use
     # (tasks/training/block_swap.py); 0: none
     blocks_to_swap: int = 0

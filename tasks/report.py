@@ -37,7 +37,8 @@ def assemble(config_name: str, results: dict, previous: dict, plan: dict, lora: 
               "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
               "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
-    report["runtime"] = runtime_entry()
+    # the device and libraries; from the run that trained the LoRA: compile, attention and matmul kernels
+    report["runtime"] = {**runtime_entry(), **lora.get("runtime", {})}
     return report
 
 

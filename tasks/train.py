@@ -18,6 +18,7 @@ from tasks import cache_latents
 from tasks.data import masks, video
 from tasks.items import Memo as _Memo, check_items, node_result, prefetch
 from tasks.lazy import lazy
+from tasks.config import stored_as
 from tasks.models import make_adapter
 from tasks.models import text_encoder_lora as te_lora
 from tasks.store import Store
@@ -28,6 +29,7 @@ from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, 
 from tasks.training.batches import (BatchLoader, Captions, Latents, batch_at, buckets_of,  # noqa: F401
                                     item_generators, my_share)
 from tasks.training.checkpoint_samples import CheckpointSampler, to_tensorboard
+from tasks.training.compiled_blocks import attention_backend, compile_blocks, matmul_path
 from tasks.training.checkpoints import checkpoint_key, latest_checkpoint, load_checkpoint as _load_checkpoint
 from tasks.training.checkpoints import save_checkpoint as _save_checkpoint  # tests wrap it to fail after a save
 from tasks.training.train_key import CODE_VERSION, inputs, key_of_node, trajectory_key  # noqa: F401 (the node's key, re-exported)
@@ -78,6 +80,7 @@ class _Run:
     load: BatchLoader
     held: list[str]  # data.validation_split's items: scored, never drawn
     scoring: tuple | None  # (latents, texts, controls) of the held-out items
+    runtime: dict = field(default_factory=dict)  # report runtime.compile / attention / matmul
     start: int = 0  # the step this run continues from
     step_losses: list = field(default_factory=list)
     val_losses: list = field(default_factory=list)
@@ -120,6 +123,7 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     encoders = texts.trained  # train.text_encoder_lr: LoRA'd after the denoiser (its initial weights as without)
     named, groups = te_lora.add_to_training(adapter, encoders, tc, named)
     denoiser.to(accelerator.device)
+    runtime = kernels(cfg, adapter, denoiser)
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
     lr_schedule = optimization.get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
@@ -137,7 +141,15 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
                        seed, accelerator.process_index, accelerator.num_processes, tc["gradient_accumulation_steps"],
                        tc["prior_loss_weight"])
     return _Run(cfg, plan, store, adapter, accelerator, denoiser, named, encoders, optimizer, ema, lr_schedule,
-                scheduler, sampler, texts, load, held, scoring)
+                scheduler, sampler, texts, load, held, scoring, runtime)
+
+
+def kernels(cfg: dict, adapter, denoiser) -> dict:
+    """train.compile (the blocks compiled here, after every memory option is in place) and the kernel paths the
+    report names (tasks/training/compiled_blocks.py)."""
+    compiled = compile_blocks(denoiser, adapter.swap_blocks) if cfg["train"].get("compile") else 0
+    return {"compile": {"enabled": bool(compiled), "blocks": compiled}, "attention": attention_backend(),
+            "matmul": matmul_path(stored_as(cfg["model"]), str(adapter.dtype).replace("torch.", ""))}
 
 
 def _held_out(plan: dict, store: Store, latent_keys: dict, texts: Captions, held: list[str]) -> tuple:
@@ -204,14 +216,21 @@ def _train_steps(run: _Run, trajectory: str) -> None:
     ahead = overlap_loading() and run.encoders is None
     batches = iter(prefetch(run.load, micro) if ahead else map(run.load, micro))
     clock = {"t0": time.perf_counter(), "window": []}
+    seconds = []  # each step's wall time: the first holds the compile (runtime.compile)
     for step in steps:
+        t = time.perf_counter()
         loss = _optimizer_step(run, islice(batches, accum), accum)
         run.step_losses.append(loss.item())
+        seconds.append(time.perf_counter() - t)
         progress.update()
         progress.set_postfix(loss=f"{run.step_losses[-1]:.4f}", refresh=False)
         _after_step(run, step, trajectory, clock)
     progress.close()
     run.accelerator.end_training()
+    if len(seconds) > 1:  # compile time ~ the first step beyond a steady one (the first step's own warm-up too)
+        steady = sorted(seconds[1:])[len(seconds[1:]) // 2]
+        run.runtime["compile"].update(first_step_s=seconds[0], step_median_s=steady,
+                                      seconds=max(0.0, seconds[0] - steady) if run.runtime["compile"]["enabled"] else 0.0)
 
 
 def _optimizer_step(run: _Run, batches, accum: int):
@@ -286,6 +305,7 @@ def _export(run: _Run, out_dir: Path) -> dict | None:
     lora = write(out_dir)
     extra = {"lora_ema": str(save_ema(run.named, run.ema, lambda: write(out_dir / "ema")))} if run.ema else {}
     return {"lora": lora, **extra, "step_losses": run.step_losses, "continued_from_step": run.start,
+            "runtime": run.runtime,
             "checkpoint_samples": run.sampler.rendered, "sample_warnings": run.sampler.warnings,
             **({"validation_loss": run.val_losses} if run.held else {})}
 
@@ -332,7 +352,7 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                        losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
                        continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
                        sample_warnings=meta.get("sample_warnings", []),
-                       validation_loss=meta.get("validation_loss", []),
+                       validation_loss=meta.get("validation_loss", []), runtime=meta.get("runtime", {}),
                        **({"lora_ema": str(store.get_path(EMA_KIND, key))} if ema else {}))
 
 

@@ -10,6 +10,7 @@ from collections import Counter
 
 from tasks.data import augment, controls, masks, subsets, video
 from tasks.training import host_memory, memory, validation_loss as validation
+from tasks.training.compiled_blocks import compile_errors
 from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
@@ -127,6 +128,7 @@ def _check_ranges(cfg: dict) -> list[str]:
 def _check_device(cfg: dict) -> list[str]:
     """Settings this machine cannot run, each with the alternative."""
     errors, cuda = [], cuda_available()
+    errors += compile_errors(cfg["train"], cuda)
     if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
         errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
     mp = cfg["train"]["mixed_precision"]

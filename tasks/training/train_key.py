@@ -22,13 +22,14 @@ _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_ste
 _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port",  # (every machine: one key)
             "validate_every_n_steps",
             "blocks_to_swap",  # where weights wait between uses: the same LoRA bytes (tests/test_block_swap.py)
-            "gradient_checkpointing_offload")  # likewise, saved activations (tests/test_offload_checkpoint.py)
+            "gradient_checkpointing_offload")  # likewise, saved activations (tests/test_activation_offload.py)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
 # Settings added since keys were first stored, with the default at which they change nothing.
 CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draws however many processes
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
              ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
-             ("prior_loss_weight", 1.0), ("ema_decay", None), ("text_encoder_lr", None))
+             ("prior_loss_weight", 1.0), ("ema_decay", None), ("text_encoder_lr", None),
+             ("compile", False))  # compiled kernels round differently: another LoRA
 
 
 def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
