@@ -104,7 +104,9 @@ def model_headers(model, folder: Path) -> Path:
     """`folder`/transformer: the model's config.json and a header-only safetensors file of its bf16 shapes."""
     sub = Path(folder) / "transformer"
     sub.mkdir(parents=True, exist_ok=True)
-    (sub / "config.json").write_text(json.dumps(dict(model.config), default=list))
+    # _class_name as in a real folder: the preflight finds the family's own constants by it
+    (sub / "config.json").write_text(json.dumps({**dict(model.config), "_class_name": type(model).__name__},
+                                                default=list))
     header, offset = {}, 0
     for name, t in model.state_dict().items():
         header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel() * 2]}

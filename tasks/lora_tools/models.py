@@ -15,6 +15,7 @@ from tasks.lazy import lazy
 from tasks.lora_tools.lora_files import LoraToolError, read_header
 from tasks.lora_tools.ldm import unet_to_ldm
 from tasks.lora_tools.transformer_layouts import to_original
+from tasks.models import adapter_class
 from tasks.training.export import FAMILIES, write_safetensors
 
 st = lazy("safetensors.torch")
@@ -22,7 +23,8 @@ st = lazy("safetensors.torch")
 DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT = "diffusers", "original"
 LAYOUTS = (DIFFUSERS_LAYOUT, ORIGINAL_LAYOUT)
 # the families whose original single-file layout is written (ldm.py: the UNets; transformer_layouts.py)
-ORIGINAL_FAMILIES = FAMILIES  # a family added later without a writer is refused by check_layout
+# the families whose adapter declares an original layout; the others are refused by check_layout
+ORIGINAL_FAMILIES = tuple(f for f in FAMILIES if adapter_class(f).original_layout)
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -129,7 +131,7 @@ def write_denoiser(path, state_dict: dict, layout: str, family: str, config: dic
     single-file keys (SD1.5/SDXL `model.diffusion_model.*`; Z-Image's fused qkv; Qwen-Image's, which are
     diffusers'). Atomic, as every file here."""
     check_layout(layout, family)
-    if layout == ORIGINAL_LAYOUT and family not in ("sd15", "sdxl"):  # transformer_layouts.py
+    if layout == ORIGINAL_LAYOUT and adapter_class(family).original_layout != "ldm":  # transformer_layouts.py
         try:
             state_dict = to_original(family, state_dict)
         except ValueError as e:

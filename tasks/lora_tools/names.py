@@ -14,7 +14,7 @@ import warnings
 
 from tasks.lazy import lazy
 from tasks.lora_tools.lora_files import LoraToolError, Pair
-from tasks.training.export import kohya_rows, to_kohya
+from tasks.training.export import kohya_rows, layout, to_kohya
 
 torch = lazy("torch")
 
@@ -71,12 +71,9 @@ def weight_shapes(state_dict: dict) -> dict[str, tuple[int, int]]:
 
 
 def _fuses(family: str) -> bool:
-    """Whether export.py maps this family through kohya_rows (kohya modules that fuse several diffusers Linears)."""
-    try:
-        kohya_rows(family, ["-"])
-        return True
-    except KeyError:  # kohya_rows covers only the families with fusing rules
-        return False
+    """Whether export.py maps this family through kohya_rows (kohya modules that fuse several diffusers Linears):
+    the family declares rules (its adapter's KohyaLayout)."""
+    return layout(family).names == "rules"
 
 
 def kohya_groups(family: str, shapes) -> dict[str, list[str]]:

@@ -35,16 +35,20 @@ _QKV = re.compile(r"(.+\.attention)\.to_([qkv])\.weight")
 
 
 def to_original(family: str, sd: dict) -> dict:
-    if family in ("qwenimage", "qwenimage_edit"):
+    """The denoiser's state dict in the layout its family declares (`original_layout` on its adapter)."""
+    from tasks.models import adapter_class
+
+    layout = adapter_class(family).original_layout
+    if layout == "diffusers":
         return dict(sd)
-    if family == "sd3":
+    if layout == "sd3":
         return _sd3(sd)
-    if family in ("flux2_klein", "flux2_dev"):
+    if layout == "flux2":
         return _flux2(sd)
-    if family in ("flux", "flux_kontext"):
+    if layout == "flux":
         return _flux(sd)
-    if family != "zimage":
-        raise NotImplementedError(family)
+    if layout != "zimage":
+        raise ValueError(f"{family} has no original single-file layout written here")
     out, qkv = {}, {}
     for key, tensor in sd.items():
         if m := _QKV.fullmatch(key):

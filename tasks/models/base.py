@@ -6,6 +6,7 @@ import functools
 import os
 import shutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,31 @@ def _check_loaded(file: Path, modules: dict[str, torch.nn.Module]) -> None:
                           f"model.config (e.g. {', '.join(missing[:3])}); is model.config the right base model?")
 
 
+# Regexes of diffusers' transformer blocks (kohya rules): double-stream / joint blocks, and Flux's single blocks
+BLOCK, SINGLE = r"transformer_blocks\.(\d+)\.", r"single_transformer_blocks\.(\d+)\."
+
+
+@dataclass(frozen=True)
+class KohyaLayout:
+    """How the family's LoRA is named in the kohya file (sd-scripts, ComfyUI, Forge): declared by each adapter,
+    read by tasks/training/export.py and loraflow-lora.
+
+    names: "rules" = each diffusers Linear matched by `rules` (regex, kohya module format, group size: > 1 where the
+    original checkpoint has ONE fused Linear, e.g. qkv, for several diffusers ones); "named" = the diffusers module
+    names with "." -> "_" (one Linear each); "unet" = diffusers' own convert_state_dict_to_kohya (SD1.x, SDXL;
+    `sgm_blocks`: then SGM block names, as sd-scripts' SDXL LoRAs use)."""
+    network_module: str  # sd-scripts' ss_network_module
+    base_version: str  # sd-scripts' ss_base_model_version
+    names: str = "rules"
+    rules: tuple = ()
+    drop: str | None = None  # modules no kohya loader of the family has: left out with a warning (a regex)
+    sgm_blocks: bool = False
+    text_encoder_prefixes: tuple = ()  # (pipeline component, kohya prefix) for train.text_encoder_lr
+    # ComfyUI's own model names differ from the kohya file's (Z-Image: q/k/v fused): a ComfyUI file apart
+    # (tasks/training/export_comfyui.py); False: the kohya file is the ComfyUI file
+    comfyui_fuses_qkv: bool = False
+
+
 class FamilyAdapter(ABC):
     family: str
     # Components each node loads; their digests are the "model identity" in that node's keys.
@@ -59,6 +85,15 @@ class FamilyAdapter(ABC):
         self.model_dir = Path(model_dir)
         self.dtype_name = dtype
         self.max_sequence_length = max_sequence_length
+
+    kohya: KohyaLayout  # the kohya file's names (every family declares it; tests/test_family_declarations.py)
+    # The released single-file layout `loraflow-lora merge --into-base --layout original` writes
+    # (tasks/lora_tools/transformer_layouts.py, ldm.py): "ldm" (SD1.x/SDXL's UNet), "flux", "flux2", "sd3",
+    # "zimage", "diffusers" (Qwen-Image's files use diffusers' names); None: not written (use --layout diffusers)
+    original_layout: str | None = None
+    # The preflight's activation constants (per block, per checkpointed block, one recompute; saved values per token
+    # x width), where measured on the family itself (tasks/training/memory.py); None: FLUX.1's
+    activation_factors: tuple[float, float, float] | None = None
 
     def configure(self, model_cfg: dict) -> None:
         """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""

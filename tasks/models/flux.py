@@ -5,6 +5,7 @@ import logging
 from types import SimpleNamespace
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import BLOCK as _B, SINGLE as _S, KohyaLayout
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -19,9 +20,35 @@ _WARNED: set[str] = set()  # texts already warned about (training may encode a c
 _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, **_SAFE)
 
 
+# The kohya file's names: BFL's (networks.lora_flux's layout; sd-scripts, ComfyUI, Forge and diffusers' FluxPipeline
+# load it). diffusers module (full match) -> (kohya module, group size: q|k|v fused in qkv, q|k|v|mlp in linear1)
+KOHYA_RULES = (
+    (_B + r"attn\.to_([qkv])", "double_blocks_{}_img_attn_qkv", 3),
+    (_B + r"attn\.add_([qkv])_proj", "double_blocks_{}_txt_attn_qkv", 3),
+    (_B + r"attn\.to_out\.0", "double_blocks_{}_img_attn_proj", 1),
+    (_B + r"attn\.to_add_out", "double_blocks_{}_txt_attn_proj", 1),
+    (_B + r"ff\.net\.0\.proj", "double_blocks_{}_img_mlp_0", 1),
+    (_B + r"ff\.net\.2", "double_blocks_{}_img_mlp_2", 1),
+    (_B + r"ff_context\.net\.0\.proj", "double_blocks_{}_txt_mlp_0", 1),
+    (_B + r"ff_context\.net\.2", "double_blocks_{}_txt_mlp_2", 1),
+    (_B + r"norm1\.linear", "double_blocks_{}_img_mod_lin", 1),
+    (_B + r"norm1_context\.linear", "double_blocks_{}_txt_mod_lin", 1),
+    (_S + r"attn\.to_([qkv])", "single_blocks_{}_linear1", 4),
+    (_S + r"(proj_mlp)", "single_blocks_{}_linear1", 4),
+    (_S + r"proj_out", "single_blocks_{}_linear2", 1),
+    (_S + r"norm\.linear", "single_blocks_{}_modulation_lin", 1),
+    (r"x_embedder", "img_in", 1),
+    (r"context_embedder", "txt_in", 1),
+)
+
+
 class FluxAdapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")  # train.blocks_to_swap, in run order
     family = "flux"
+    original_layout = "flux"  # loraflow-lora merge --into-base --layout original
+    # the top-level proj_out (BFL final_layer.linear): networks.lora_flux has no such module, sd-scripts' strict
+    # load refuses the key
+    kohya = KohyaLayout("networks.lora_flux", "flux1", rules=KOHYA_RULES, drop=r"proj_out")
     pipeline_cls = LazyClass("diffusers", "FluxPipeline")
     denoiser_cls = LazyClass("diffusers", "FluxTransformer2DModel")
     denoiser_subfolder = "transformer"

@@ -7,6 +7,7 @@ how sampling uses a negative prompt."""
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import BLOCK as _B, SINGLE as _S
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -17,7 +18,24 @@ TEXT_PARTS = dict(transformer=None, vae=None, **SAFE)
 SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **SAFE)
 
 
+# The kohya file's names: BFL's FLUX.2 (networks.lora_flux2), as diffusers' _convert_kohya_flux2_lora_to_diffusers
+# reads them (Flux2KleinPipeline and Flux2Pipeline)
+KOHYA_RULES = (
+    (_B + r"attn\.to_([qkv])", "double_blocks_{}_img_attn_qkv", 3),
+    (_B + r"attn\.add_([qkv])_proj", "double_blocks_{}_txt_attn_qkv", 3),
+    (_B + r"attn\.to_out\.0", "double_blocks_{}_img_attn_proj", 1),
+    (_B + r"attn\.to_add_out", "double_blocks_{}_txt_attn_proj", 1),
+    (_B + r"ff\.linear_in", "double_blocks_{}_img_mlp_0", 1),
+    (_B + r"ff\.linear_out", "double_blocks_{}_img_mlp_2", 1),
+    (_B + r"ff_context\.linear_in", "double_blocks_{}_txt_mlp_0", 1),
+    (_B + r"ff_context\.linear_out", "double_blocks_{}_txt_mlp_2", 1),
+    (_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{}_linear1", 1),  # already one fused Linear in diffusers
+    (_S + r"attn\.to_out", "single_blocks_{}_linear2", 1),
+)
+
+
 class Flux2Adapter(TransformerAdapter):
+    original_layout = "flux2"  # loraflow-lora merge --into-base --layout original
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")  # train.blocks_to_swap, in run order
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
     # Reference images (data.control_dirs, --i): the pipelines take a list; 4 here (BFL's guides give up to 10

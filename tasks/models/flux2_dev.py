@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from tasks.lazy import LazyClass, lazy
-from tasks.models.flux2 import TEXT_PARTS, Flux2Adapter
+from tasks.models.base import KohyaLayout
+from tasks.models.flux2 import KOHYA_RULES, TEXT_PARTS, Flux2Adapter
 
 diffusers = lazy("diffusers")
 transformers = lazy("transformers")
@@ -17,6 +18,7 @@ log = logging.getLogger("loraflow")
 
 class Flux2DevAdapter(Flux2Adapter):
     family = "flux2_dev"
+    kohya = KohyaLayout("networks.lora_flux2", "flux2_dev", rules=KOHYA_RULES)  # [klein]'s names: the same converter
     pipeline_cls = LazyClass("diffusers", "Flux2Pipeline")
 
     def load_text_encoders(self):

@@ -3,11 +3,13 @@ stacked), real CFG. Follows diffusers' Flux2KleinPipeline; what it shares with [
 from __future__ import annotations
 
 from tasks.lazy import LazyClass
-from tasks.models.flux2 import Flux2Adapter
+from tasks.models.base import KohyaLayout
+from tasks.models.flux2 import KOHYA_RULES, Flux2Adapter
 
 
 class Flux2KleinAdapter(Flux2Adapter):
     family = "flux2_klein"
+    kohya = KohyaLayout("networks.lora_flux2", "flux2_klein", rules=KOHYA_RULES)
     pipeline_cls = LazyClass("diffusers", "Flux2KleinPipeline")
 
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu",

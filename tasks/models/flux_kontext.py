@@ -16,6 +16,7 @@ diffusers = lazy("diffusers")
 
 class FluxKontextAdapter(FluxAdapter):
     family = "flux_kontext"
+    # FLUX.1's transformer: FLUX.1's names and version (its kohya file loads where FLUX.1's does)
     pipeline_cls = LazyClass("diffusers", "FluxKontextPipeline")
     max_controls = 1  # Kontext conditions on one image
 

@@ -40,7 +40,8 @@ from PIL import Image
 
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import load_lora_file, on_pipeline_device
+from tasks.models.base import BLOCK, KohyaLayout, load_lora_file, on_pipeline_device
+from tasks.models.flux import KOHYA_RULES as FLUX1_RULES
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -56,6 +57,10 @@ _WARNED: set[str] = set()
 
 class HunyuanVideo15Adapter(TransformerAdapter):
     family = "hunyuan_video15"
+    # ComfyUI's names for its HunyuanVideo 1.5 model, built from Flux's DoubleStreamBlock: Flux's double-block rules
+    # (no single blocks; its embedders are no LoRA targets). musubi-tuner's networks.lora_hv_1_5 keeps q/k/v apart
+    kohya = KohyaLayout("networks.lora_hv_1_5", "hunyuan_video_1_5",
+                        rules=tuple(r for r in FLUX1_RULES if r[0].startswith(BLOCK)))
     video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
     frame_step = 4  # the VAE's temporal factor (pipeline.vae_scale_factor_temporal): clips of 1 + 4k frames
     default_fps = 15.0  # the frame rate of the pipeline's example (export_to_video(..., fps=15))

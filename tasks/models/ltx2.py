@@ -48,7 +48,7 @@ from PIL import Image
 
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import on_pipeline_device
+from tasks.models.base import KohyaLayout, on_pipeline_device
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -84,6 +84,10 @@ def _cached_connectors_class() -> type:
 
 class LTX2Adapter(TransformerAdapter):
     family = "ltx2"
+    kohya = KohyaLayout("networks.lora_ltx2", "ltx2", names="named")  # ltx-core's = ComfyUI's names
+    # LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
+    # frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
+    activation_factors = (37.0, 1.03, 40.0)
     video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
     frame_step = 8  # the VAE's temporal factor (pipeline.vae_temporal_compression_ratio): clips of 1 + 8k frames
     default_fps = 24.0  # LTX-2's native rate (the pipeline's frame_rate default)

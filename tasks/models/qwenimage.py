@@ -6,6 +6,7 @@ flow matching with true CFG. Follows diffusers' QwenImagePipeline and its LoRA e
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import KohyaLayout
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -19,6 +20,8 @@ _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 class QwenImageAdapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     family = "qwenimage"
+    original_layout = "diffusers"  # loraflow-lora merge --into-base --layout original
+    kohya = KohyaLayout("networks.lora_qwen_image", "qwen_image", names="named")  # musubi-tuner's layout
     pipeline_cls = LazyClass("diffusers", "QwenImagePipeline")
     denoiser_cls = LazyClass("diffusers", "QwenImageTransformer2DModel")
     denoiser_subfolder = "transformer"

@@ -14,6 +14,7 @@ resizes the images it is given; sampling hands the pipeline the same fitted imag
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import KohyaLayout
 from tasks.models.flow_matching import noise_latents, weighted_loss
 from tasks.models.qwenimage import QwenImageAdapter
 
@@ -49,6 +50,7 @@ class VisionTextProcessor:
 
 class QwenImageEditAdapter(QwenImageAdapter):
     family = "qwenimage_edit"
+    kohya = KohyaLayout("networks.lora_qwen_image", "qwen_image_edit", names="named")
     pipeline_cls = LazyClass("diffusers", "QwenImageEditPlusPipeline")
     max_controls = 3  # Qwen-Image-Edit-Plus: up to 3 images ("Picture 1..3")
     requires_controls = True  # the pipeline renders only from an image

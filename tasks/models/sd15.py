@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from tasks.lazy import LazyClass
+from tasks.models.base import KohyaLayout
 from tasks.models.unet import UNetAdapter
 
 
 class SD15Adapter(UNetAdapter):
     family = "sd15"
+    kohya = KohyaLayout("networks.lora", "sd_v1", names="unet", text_encoder_prefixes=(("text_encoder", "lora_te"),))
     pipeline_cls = LazyClass("diffusers", "StableDiffusionPipeline")
     text_components = ("tokenizer", "text_encoder")
     text_encoder_lora_modules = ("text_encoder",)  # train.text_encoder_lr

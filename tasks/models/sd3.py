@@ -3,6 +3,7 @@ flow matching. Training follows diffusers' examples/dreambooth/train_dreambooth_
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import BLOCK as _B, KohyaLayout
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -15,9 +16,26 @@ _SAMPLE_PARTS = dict(text_encoder=None, text_encoder_2=None, text_encoder_3=None
                      tokenizer=None, tokenizer_2=None, tokenizer_3=None, **_SAFE)
 
 
+# The kohya file's names: SAI's MMDiT (networks.lora_sd3's layout; sd-scripts and ComfyUI load it)
+KOHYA_RULES = (
+    (_B + r"attn\.to_([qkv])", "joint_blocks_{}_x_block_attn_qkv", 3),
+    (_B + r"attn\.add_([qkv])_proj", "joint_blocks_{}_context_block_attn_qkv", 3),
+    (_B + r"attn\.to_out\.0", "joint_blocks_{}_x_block_attn_proj", 1),
+    (_B + r"attn\.to_add_out", "joint_blocks_{}_context_block_attn_proj", 1),
+    (_B + r"attn2\.to_([qkv])", "joint_blocks_{}_x_block_attn2_qkv", 3),  # SD3.5 (MMDiT-X) dual attention
+    (_B + r"attn2\.to_out\.0", "joint_blocks_{}_x_block_attn2_proj", 1),
+    (_B + r"ff\.net\.0\.proj", "joint_blocks_{}_x_block_mlp_fc1", 1),
+    (_B + r"ff\.net\.2", "joint_blocks_{}_x_block_mlp_fc2", 1),
+    (_B + r"ff_context\.net\.0\.proj", "joint_blocks_{}_context_block_mlp_fc1", 1),
+    (_B + r"ff_context\.net\.2", "joint_blocks_{}_context_block_mlp_fc2", 1),
+)
+
+
 class SD3Adapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     family = "sd3"
+    original_layout = "sd3"  # loraflow-lora merge --into-base --layout original
+    kohya = KohyaLayout("networks.lora_sd3", "sd3", rules=KOHYA_RULES)
     pipeline_cls = LazyClass("diffusers", "StableDiffusion3Pipeline")
     denoiser_cls = LazyClass("diffusers", "SD3Transformer2DModel")
     denoiser_subfolder = "transformer"

@@ -3,6 +3,7 @@ UNet's added conditioning; UNet on VAE /8 latents (diffusers' train_text_to_imag
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy
+from tasks.models.base import KohyaLayout
 from tasks.models.unet import VAE_SCALE, UNetAdapter
 
 torch = lazy("torch")
@@ -10,6 +11,8 @@ torch = lazy("torch")
 
 class SDXLAdapter(UNetAdapter):
     family = "sdxl"
+    kohya = KohyaLayout("networks.lora", "sdxl_base_v1-0", names="unet", sgm_blocks=True,
+                        text_encoder_prefixes=(("text_encoder", "lora_te1"), ("text_encoder_2", "lora_te2")))
     pipeline_cls = LazyClass("diffusers", "StableDiffusionXLPipeline")
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     text_encoder_lora_modules = ("text_encoder", "text_encoder_2")  # train.text_encoder_lr

@@ -21,6 +21,7 @@ VAE_SCALE = 8  # pixels per latent (4 VAE down blocks)
 
 
 class UNetAdapter(FamilyAdapter):
+    original_layout = "ldm"  # loraflow-lora merge --into-base --layout original
     denoiser_cls = LazyClass("diffusers", "UNet2DConditionModel")
     denoiser_subfolder = "unet"
     pipeline_cls: type  # the family's diffusers pipeline: loading, text encoding, LoRA file format, sampling

@@ -17,7 +17,7 @@ import json
 
 from tasks.config import ConfigError
 from tasks.lazy import lazy
-from tasks.models.base import load_lora_file
+from tasks.models.base import KohyaLayout, load_lora_file
 from tasks.models.wan import WanAdapter, noise_latents
 
 torch = lazy("torch")
@@ -29,6 +29,7 @@ MAX_DRAWS = 10_000
 
 class Wan22Adapter(WanAdapter):
     family = "wan22"
+    kohya = KohyaLayout("networks.lora_wan", "wan2.2", rules=WanAdapter.kohya.rules)  # one file per expert
     # both experts' weights in the keys: which one trains is model.expert (in the LoRA's key)
     denoiser_components = ("transformer", "transformer_2")
     sample_components = ("transformer", "transformer_2", "vae", "scheduler")

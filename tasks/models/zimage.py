@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.base import KohyaLayout
 from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
@@ -28,6 +29,8 @@ class _TextEncoders:
 class ZImageAdapter(TransformerAdapter):
     swap_blocks = ("layers",)  # train.blocks_to_swap (the main layers; the refiners stay)
     family = "zimage"
+    original_layout = "zimage"  # loraflow-lora merge --into-base --layout original
+    kohya = KohyaLayout("networks.lora_zimage", "zimage", names="named", comfyui_fuses_qkv=True)  # diffusers' Z-Image converter reads it
     pipeline_cls = LazyClass("diffusers", "ZImagePipeline")
     denoiser_cls = LazyClass("diffusers", "ZImageTransformer2DModel")
     denoiser_subfolder = "transformer"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tasks.lazy import lazy
 from tasks.training.dora_export import dora_scales, split_dora
-from tasks.training.export import check_family, kohya_rows, lora_pairs, named_to_kohya, to_kohya, write_safetensors
+from tasks.training.export import kohya_rows, layout, lora_pairs, named_to_kohya, to_kohya, write_safetensors
 
 torch = lazy("torch")
 
@@ -21,7 +21,7 @@ _COMFY_ZIMAGE_QKV = re.compile(r"(.+\.attention)\.to_([qkv])")
 def comfyui_loads_kohya(family: str) -> bool:
     """Whether ComfyUI's own loader maps every key of this family's kohya file (then that file is the ComfyUI
     file): all but Z-Image, whose kohya file names diffusers' unfused q/k/v (docs/lora-files.md)."""
-    return check_family(family) != "zimage"
+    return not layout(family).comfyui_fuses_qkv
 
 
 def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, alpha: float,
@@ -30,7 +30,7 @@ def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int,
     into one `attention.qkv` LoRA of rank 3 * rank (down weights stacked, up weights block-diagonal with each
     alpha / rank folded into its block, alpha = the fused rank), so ComfyUI's W_qkv += up @ down is the three
     deltas stacked; to_out.0 -> `attention.out`. Other families: their kohya layout."""
-    if check_family(family) != "zimage":
+    if not layout(family).comfyui_fuses_qkv:
         return to_kohya(family, peft_state_dict, rank, alpha, base=base)
     peft_state_dict, magnitudes = split_dora(peft_state_dict)
     pairs, fused, out = lora_pairs(peft_state_dict, rank), {}, {}
@@ -60,7 +60,7 @@ def to_comfyui(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int,
 def comfyui_rows(family: str, module_names) -> dict[str, list[str]]:
     """The ComfyUI file's module (without `lora_unet_`) -> the diffusers Linears of `module_names` that are its
     row blocks, in order: `to_comfyui` read backwards, for a loader merging that file onto a diffusers model."""
-    if check_family(family) != "zimage":
+    if not layout(family).comfyui_fuses_qkv:
         return kohya_rows(family, module_names)
     rows: dict[str, dict[int, str]] = {}
     for module in module_names:

@@ -25,12 +25,7 @@ GB = 1024 ** 3
 ACT_FACTOR = 22.6  # per block, no checkpointing: Flux's double/single mean, outside layers included (22.5/22.7)
 CKPT_INPUT_FACTOR = 1.03  # per block with checkpointing: its checkpointed inputs, outside layers included (1.034/1.030)
 RECOMPUTE_FACTOR = 22.5  # one block's internals while its recompute is held in backward (22.4/22.6)
-# Wan's blocks save more per token (fp32 norms, cross-attention, a 2.7x FFN): measured on Wan 2.1 14B at 480x832,
-# 33 and 81 frames (bench.memory --families: 1228.3/1222.7 per 40 blocks without checkpointing, 72.9/72.7 with)
-WAN_FACTORS = (30.7, 1.03, 31.6)
-# LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
-# frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
-LTX2_FACTORS = (37.0, 1.03, 40.0)
+# A family measured on its own declares its constants on its adapter (`activation_factors`: Wan, LTX-2)
 # Transients a GPU's peak (max_memory_allocated) holds beyond what autograd saves, measured by bench.memory_peak
 # (live storages over a whole step; issue 43): the gradients in flight inside one block's backward, per token x
 # width (FLUX.1-dev bf16+ckpt 13.3, Wan 14B nf4+ckpt 12.1); or, where larger, the dequantize of the largest stored
@@ -154,12 +149,16 @@ def stored_bytes(numel: int, storage: str) -> float:
 
 
 def activation_factors(config: dict) -> tuple[float, float, float]:
-    """(per block, per checkpointed block, one recompute) in saved values per token x width, for this denoiser."""
-    if "audio_in_channels" in config:
-        return LTX2_FACTORS
-    if "freq_dim" in config and "text_dim" in config:
-        return WAN_FACTORS
+    """(per block, per checkpointed block, one recompute) in saved values per token x width, for this denoiser:
+    those its family declares (the adapter whose denoiser class config.json names), else FLUX.1's measured ones."""
+    import inspect
 
+    from tasks.models import FAMILIES, adapter_class
+
+    for family in FAMILIES:
+        adapter = adapter_class(family)  # the class's LazyClass name: no diffusers import on a no-op run
+        if adapter.activation_factors and inspect.getattr_static(adapter, "denoiser_cls").name == config.get("_class_name"):
+            return adapter.activation_factors
     return ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR
 
 
