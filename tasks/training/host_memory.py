@@ -98,17 +98,6 @@ def _numel(shape) -> int:
     return out
 
 
-def host_available_gb() -> tuple[float, str]:
-    import re
-
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        m = re.search(r"MemAvailable:\s+(\d+) kB", meminfo.read_text())
-        if m:
-            return int(m.group(1)) * 1024 / GB, "available RAM"
-    return float("inf"), "unknown"
-
-
 def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: bool | None = None,
               available: tuple[float, str] | None = None) -> dict:
     """validate's host check (module doc): reads the denoiser files' headers (a missing or truncated file is a
@@ -116,7 +105,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: b
     hold. Returns the report's host figures."""
     from tasks.models.stream_load import folder_entries
     from tasks.runtime import cuda_available
-    from tasks.training.memory import block_order, estimate as estimate_of, lora_targets
+    from tasks.training.memory import block_order, estimate as estimate_of, host_available_gb, lora_targets
 
     folders = [adapter.model_dir / f for f in (adapter.experts.values() if adapter.denoisers > 1
                                                  else (adapter.denoiser_subfolder,))]

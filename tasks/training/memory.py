@@ -295,6 +295,11 @@ def available_gb() -> tuple[float, str]:
 
         free, _ = torch.cuda.mem_get_info()
         return free / GB, f"free memory of {torch.cuda.get_device_name()}"
+    return host_available_gb()
+
+
+def host_available_gb() -> tuple[float, str]:
+    """The machine's available RAM (MemAvailable: free plus what the kernel can reclaim)."""
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         m = re.search(r"MemAvailable:\s+(\d+) kB", meminfo.read_text())
