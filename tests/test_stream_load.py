@@ -155,6 +155,21 @@ def test_a_checkpoint_of_another_family_is_one_line(tmp_path):
         load_streamed(diffusers.FluxTransformer2DModel, sub, torch.bfloat16)
 
 
+def test_extra_weights_are_left_out_with_a_warning_as_from_pretrained_does(tmp_path, caplog):
+    import diffusers
+    from safetensors.torch import load_file, save_file
+
+    _, folder = _family("flux", tmp_path)
+    sub = _copy_transformer(folder, tmp_path)
+    file = next(sub.glob("*.safetensors"))
+    sd = load_file(file)
+    save_file({**sd, "extra_head.weight": torch.ones(2, 2)}, file)
+    with caplog.at_level("WARNING", logger="loraflow"):
+        got = load_streamed(diffusers.FluxTransformer2DModel, sub, torch.float32).state_dict()
+    assert "extra_head.weight" in caplog.text and "left out" in caplog.text
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
 def test_an_fp8_file_with_scales_loads_as_weight_times_scale(tmp_path):
     """A ComfyUI "scaled fp8" / musubi-tuner fp8-scaled file: `<module>.weight` in e4m3fn and `.scale_weight`."""
     import diffusers

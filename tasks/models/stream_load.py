@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,15 +138,13 @@ def load_streamed(cls, folder: Path, dtype: "torch.dtype", store: Store | None =
             model = cls.from_config(cls.load_config(folder))
     finally:
         torch.set_default_dtype(default)
-    _check_architecture(model, entries, folder)
+    extra = _check_architecture(model, entries, folder) | {n for n in entries if n not in model.state_dict()}
     keep32 = list(cls._keep_in_fp32_modules or [])
     modules = dict(model.named_modules())
     # fp8 files saved with scales: W = fp8 x scale_weight, read first (a scalar or a row each)
     scales = {name[: -len(".scale_weight")]: t for name, t in
               iter_tensors({n: e for n, e in entries.items() if n.endswith(".scale_weight")})}
-    for name, raw in iter_tensors({n: e for n, e in entries.items() if not n.endswith(SCALE_SUFFIXES)}):
-        if name == "scaled_fp8":  # ComfyUI's marker of a scaled file
-            continue
+    for name, raw in iter_tensors({n: e for n, e in entries.items() if not n.endswith(SCALE_SUFFIXES) and n not in extra}):
         module_path, _, leaf = name.rpartition(".")
         kwargs = {}
         if raw.is_floating_point():  # diffusers' load_model_dict_into_meta: floats to dtype, keep-in-fp32 modules fp32
@@ -186,11 +185,14 @@ def _return_freed_memory() -> None:
         pass  # not glibc: its own allocator, nothing to set
 
 
-def _check_architecture(model, entries: dict[str, Entry], folder: Path) -> None:
+def _check_architecture(model, entries: dict[str, Entry], folder: Path) -> set[str]:
+    """Refuses missing or reshaped weights (another family or architecture); returns the checkpoint's extra
+    weights, which are left out as from_pretrained leaves them out."""
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     have = {n for n in entries if not n.endswith(SCALE_SUFFIXES)}
     missing = sorted(set(expected) - have)
-    extra = sorted(n for n in have - set(expected) if n != "scaled_fp8")
+    ignore = getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ()
+    extra = sorted(n for n in have - set(expected) if n != "scaled_fp8" and not any(re.search(p, n) for p in ignore))
     shaped = sorted(n for n in have & set(expected) if entries[n].shape != expected[n])
     if missing or shaped:
         detail = (f"lacks {len(missing)} of its weights (e.g. {', '.join(missing[:3])})" if missing else
@@ -198,7 +200,10 @@ def _check_architecture(model, entries: dict[str, Entry], folder: Path) -> None:
                   f"where the architecture has {list(expected[shaped[0]])})")
         raise ConfigError(f"{folder}: the checkpoint {detail} for {type(model).__name__} as its config.json "
                           "describes; is it a checkpoint of this model family (model.family / model.path)?")
-    if extra:
-        raise ConfigError(f"{folder}: the checkpoint has {len(extra)} weights {type(model).__name__} does not "
-                          f"(e.g. {', '.join(extra[:3])}); is it a checkpoint of this model family "
-                          "(model.family / model.path)?")
+    if extra:  # from_pretrained leaves them out with a warning too (a file's extras, e.g. another head)
+        import logging
+
+        logging.getLogger("loraflow").warning(
+            "%s: %d weights of the checkpoint are not in %s and are left out (e.g. %s)", folder, len(extra),
+            type(model).__name__, ", ".join(extra[:3]))
+    return set(extra)
