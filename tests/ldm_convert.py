@@ -49,7 +49,7 @@ def _component(folder: Path, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
 _VAE_RESNET = (("conv_shortcut.", "nin_shortcut."),)
 
 
-def _unet(folder: Path) -> dict[str, torch.Tensor]:
+def ldm_unet(folder: Path) -> dict[str, torch.Tensor]:
     return unet_to_ldm(*_component(folder, "unet"))
 
 
@@ -133,7 +133,7 @@ def _open_clip(folder: Path, name: str, prefix: str) -> dict[str, torch.Tensor]:
 def to_ldm_sd15(pipeline_dir: str | Path) -> dict[str, torch.Tensor]:
     """A1111 / CompVis SD1.x single-file state dict (UNet + VAE + CLIP-L) of a diffusers folder."""
     folder = Path(pipeline_dir)
-    return {**_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SD15_CLIP_PREFIX)}
+    return {**ldm_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SD15_CLIP_PREFIX)}
 
 
 def to_ldm_sdxl(pipeline_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -144,5 +144,5 @@ def to_ldm_sdxl(pipeline_dir: str | Path) -> dict[str, torch.Tensor]:
     if width[0] == width[1]:
         raise ValueError(f"text_encoder and text_encoder_2 are both {width[0]} wide: diffusers' from_single_file "
                          "would load CLIP-L's weights into text_encoder_2 (build with a different clip_2_hidden_size)")
-    return {**_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SDXL_CLIP_L_PREFIX),
+    return {**ldm_unet(folder), **_vae(folder), **_clip_l(folder, "text_encoder", SDXL_CLIP_L_PREFIX),
             **_open_clip(folder, "text_encoder_2", SDXL_CLIP_G_PREFIX)}

@@ -8,22 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 from conftest import prefect_home
+from support import run_cli  # noqa: F401 (shared helpers, tests/support.py)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _cli(args, cwd, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # the CLI starts its own ephemeral API, as `make run` does
-    return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=600)
 
 
 def test_cli_runs_the_demo_and_writes_the_report(tmp_path):
     data = tmp_path / "my data"  # a space in the path on purpose
     shutil.copytree(REPO / "data" / "demo", data)
     run_dir = tmp_path / "run"
-    proc = _cli([f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}",
+    proc = run_cli([f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}",
                  "train.max_steps=8", "train.log_every=4", "sample.steps=2"], REPO, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
@@ -34,7 +30,7 @@ def test_cli_runs_the_demo_and_writes_the_report(tmp_path):
 
 
 def test_cli_rejects_a_misspelt_key_before_any_work(tmp_path):
-    proc = _cli([f"store.root={tmp_path / 'store'}", "train.lrr=1e-4"], REPO, tmp_path)
+    proc = run_cli([f"store.root={tmp_path / 'store'}", "train.lrr=1e-4"], REPO, tmp_path)
     assert proc.returncode != 0
     assert "train.lrr" in proc.stderr
     assert not (tmp_path / "store").exists()

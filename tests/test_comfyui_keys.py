@@ -28,7 +28,9 @@ import torch
 
 from tasks.training.export import to_kohya
 from tasks.training.export_comfyui import comfyui_loads_kohya, to_comfyui
-from test_export import ALPHA, RANK, TARGETS, _denoiser, _load, _trained_lora, model_dirs  # noqa: F401
+from test_export import TARGETS, model_dirs
+from support import ALPHA, RANK, load_pipeline, pipeline_denoiser, trained_lora  # noqa: F401
+from support import comfyui_merge  # noqa: F401 (shared helpers, tests/support.py)
 
 # float32 products of rank-4 factors with entries of magnitude <= ~1: the merged delta and the PEFT delta are
 # each one matmul of the same numbers (the fused file only multiplies up by alpha / rank, exactly 2.0 here), so
@@ -59,22 +61,6 @@ def _comfy_split(family: str, key: str, delta: torch.Tensor, linears) -> dict[st
     return {key: delta}
 
 
-def _comfyui_merge(family: str, file: dict[str, torch.Tensor], comfy_keys) -> dict[str, torch.Tensor]:
-    """{ComfyUI module key: merged delta}, as load_lora + the LoRA weight adapter compute them; fails on any file
-    key that load_lora would leave unread, and on a delta whose shape is not the module's."""
-    key_map = {"lora_unet_" + k.replace(".", "_"): k for k in comfy_keys}  # model_lora_keys_unet, generic rule
-    read, deltas = set(), {}
-    for lora_key, module in key_map.items():
-        up, down, alpha = (f"{lora_key}.lora_up.weight", f"{lora_key}.lora_down.weight", f"{lora_key}.alpha")
-        if up not in file:
-            continue
-        read |= {up, down} | ({alpha} if alpha in file else set())
-        scale = file[alpha].item() / file[down].shape[0] if alpha in file else 1.0
-        deltas[module] = scale * (file[up].double() @ file[down].double())
-        assert tuple(deltas[module].shape) == comfy_keys[module], (module, deltas[module].shape)
-    left = sorted(set(file) - read)
-    assert not left, f"ComfyUI would log 'lora key not loaded' for {len(left)} key(s), e.g. {left[:4]}"
-    return deltas
 
 
 def _peft_deltas(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,12 +71,12 @@ def _peft_deltas(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", ["zimage", "qwenimage"])
 def test_comfyui_file_loads_every_key_with_the_trained_delta(family, model_dirs):
     model_dir = model_dirs(family)
-    sd, _ = _trained_lora(model_dir, TARGETS[family])
-    linears = {n: m for n, m in _denoiser(_load(model_dir)).named_modules() if isinstance(m, torch.nn.Linear)}
+    sd, _ = trained_lora(model_dir, TARGETS[family])
+    linears = {n: m for n, m in pipeline_denoiser(load_pipeline(model_dir)).named_modules() if isinstance(m, torch.nn.Linear)}
     comfy_keys = (_comfy_zimage_keys(linears) if family == "zimage" else
                   {n: (m.out_features, m.in_features) for n, m in linears.items()})
     file = to_comfyui(family, sd, RANK, ALPHA)
-    merged = _comfyui_merge(family, file, comfy_keys)
+    merged = comfyui_merge(family, file, comfy_keys)
 
     expected = _peft_deltas(sd)
     got = {}
@@ -111,10 +97,10 @@ def test_zimage_kohya_file_is_what_comfyui_half_loads(model_dirs):
     """The issue's finding, pinned: ComfyUI's Z-Image model has no `attention.to_q`, so the kohya file (diffusers'
     names, for diffusers and musubi-tuner) leaves every attention projection unread there; the ComfyUI file does not."""
     model_dir = model_dirs("zimage")
-    sd, _ = _trained_lora(model_dir, TARGETS["zimage"])
-    linears = {n: m for n, m in _denoiser(_load(model_dir)).named_modules() if isinstance(m, torch.nn.Linear)}
+    sd, _ = trained_lora(model_dir, TARGETS["zimage"])
+    linears = {n: m for n, m in pipeline_denoiser(load_pipeline(model_dir)).named_modules() if isinstance(m, torch.nn.Linear)}
     with pytest.raises(AssertionError, match="lora key not loaded"):
-        _comfyui_merge("zimage", to_kohya("zimage", sd, RANK, ALPHA), _comfy_zimage_keys(linears))
+        comfyui_merge("zimage", to_kohya("zimage", sd, RANK, ALPHA), _comfy_zimage_keys(linears))
 
 
 @pytest.mark.parametrize("family", ["flux2_klein", "flux2_dev"])
@@ -122,7 +108,7 @@ def test_flux2_comfyui_file_is_the_kohya_file_in_bfl_names(family, model_dirs):
     """FLUX.2's checkpoints (and so ComfyUI's model) use BFL names: double_blocks.N.{img,txt}_attn.{qkv,proj},
     {img,txt}_mlp.{0,2}, single_blocks.N.linear{1,2} (diffusers' convert_flux2_transformer_checkpoint_to_diffusers).
     Not checked against ComfyUI's own code: the stored ComfyUI snapshot has no FLUX.2."""
-    sd, _ = _trained_lora(model_dirs(family), TARGETS[family])
+    sd, _ = trained_lora(model_dirs(family), TARGETS[family])
     names = {k.split(".")[0] for k in to_comfyui(family, sd, RANK, ALPHA)}
     pattern = (r"lora_unet_(double_blocks_\d+_(img|txt)_(attn_(qkv|proj)|mlp_[02])|single_blocks_\d+_linear[12])")
     assert names and all(re.fullmatch(pattern, n) for n in names), sorted(names)
@@ -146,7 +132,7 @@ def test_dora_file_merges_in_comfyui_as_trained(family, model_dirs):
     from test_export_clients import comfyui_unet_key_map
 
     model_dir = model_dirs(family)
-    den = _denoiser(_load(model_dir))
+    den = pipeline_denoiser(load_pipeline(model_dir))
     targets = {"flux": ["to_q", "to_k", "to_v", "proj_mlp", "to_out.0"], "sd15": ["to_q", "to_k", "to_v", "to_out.0"],
                "zimage": TARGETS["zimage"]}[family]
     den.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, use_dora=True))

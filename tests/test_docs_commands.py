@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import prefect_home
+from support import Block, DOCS, check_overrides, doc_blocks  # noqa: F401 (shared helpers, tests/support.py)
 
 try:
     import tomllib
@@ -46,7 +47,6 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = REPO / ".venv" / "bin"
 PYTHONS = {".venv/bin/python", "python", "python3"}
 CONSOLE = {"loraflow", "loraflow-explain", "loraflow-lora", "prefect", "pip", "tensorboard", "accelerate"}
@@ -58,11 +58,6 @@ DUMMY_ID = "00000000-0000-0000-0000-000000000000"  # `<id>`: Prefect's CLI wants
 MISSPELT_ON_PURPOSE = {"train.lrr"}
 
 
-@dataclass
-class Block:
-    origin: str  # file:line of the opening fence
-    lang: str
-    lines: list  # (line number, text)
 
 
 @dataclass
@@ -75,21 +70,6 @@ class Command:
         return " ".join(self.argv)
 
 
-def _blocks() -> list[Block]:
-    blocks = []
-    for path in DOCS:
-        name, block = path.relative_to(REPO).as_posix(), None
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            fence = re.match(r"\s*```(\S*)", line)
-            if fence and block is None:
-                block = Block(f"{name}:{n}", fence.group(1).lower(), [])
-            elif fence:
-                blocks.append(block)
-                block = None
-            elif block is not None:
-                block.lines.append((n, line))
-        assert block is None, f"{name}: a ``` block is not closed"
-    return blocks
 
 
 def _first_word(text: str) -> str:
@@ -121,7 +101,7 @@ def _without_comment(line: str) -> str:
 
 def _commands() -> list[Command]:
     commands = []
-    for block in filter(_is_command_block, _blocks()):
+    for block in filter(_is_command_block, doc_blocks()):
         file = block.origin.split(":")[0]
         pending, start = "", None
         for n, line in block.lines:
@@ -155,30 +135,6 @@ def cuda():
     mp.undo()
 
 
-def _check_overrides(overrides: list[str], where: str, config_name: str = "train") -> int:
-    """Compose every member the overrides describe and run the CLI's config checks on it; returns the count."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from tasks.config import ConfigError, compose, resolve_paths
-    from tasks.validate import config_errors
-
-    choices = []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        if not o.is_sweep_override():
-            choices.append([o.input_line])
-        elif o.is_interval_sweep():  # optuna's interval(a,b): its bounds
-            choices.append([f"{o.get_key_element()}={v}" for v in (o.value().start, o.value().end)])
-        else:
-            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
-    members = list(itertools.product(*choices))
-    for member in members:
-        try:
-            cfg, _ = compose(config_name, list(member))
-            errors = config_errors(resolve_paths(cfg))
-        except ConfigError as e:  # a misspelt key, a wrong type, bad syntax
-            raise AssertionError(f"{where}: {e}") from None
-        assert not errors, f"{where}: {list(member)}:\n  " + "\n  ".join(errors)
-    return len(members)
 
 
 def _check_repo_paths(words: list[str], where: str) -> None:
@@ -246,7 +202,7 @@ def _check_train(cmd: Command, module: str, program: list[str], args: list[str],
     where = f"{cmd.origin}: {cmd}"
     config_name = flags.get("--config-name") or flags.get("-cn") or "train"
     if module == "flows.explain":
-        _check_overrides(overrides, where, config_name)
+        check_overrides(overrides, where, config_name)
         tiny = all(not o.startswith("model=") or o.startswith("model=tiny_") for o in overrides)
         if not tiny or "--help" in flags:
             return "checked"
@@ -257,7 +213,7 @@ def _check_train(cmd: Command, module: str, program: list[str], args: list[str],
         out = _run(program, [a for a in args if a not in overrides], overrides, sandbox, where)
         assert out.strip(), f"{where}: printed nothing"
         return "ran"
-    _check_overrides(overrides, where, config_name)
+    check_overrides(overrides, where, config_name)
     return "checked"
 
 
@@ -298,7 +254,7 @@ def _check_prefect(cmd: Command, args: list[str]) -> str:
         assert options["--name"] in deployments, f"{where}: deploy/prefect.yaml's deployments are {deployments}"
     for token in tokens:
         if token.startswith("overrides="):  # --param overrides='[...]': what the flow composes
-            _check_overrides(json.loads(token.split("=", 1)[1]), where)
+            check_overrides(json.loads(token.split("=", 1)[1]), where)
     return "checked"
 
 

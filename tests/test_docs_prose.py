@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_docs_commands import DOCS, MISSPELT_ON_PURPOSE, REPO, SECTIONS, Block, _blocks, _check_overrides, cuda  # noqa: F401
+from test_docs_commands import MISSPELT_ON_PURPOSE, REPO, SECTIONS, cuda
+from support import Block, DOCS, check_overrides, doc_blocks  # noqa: F401
 
 
 # ---------------------------------------------------------------- python and yaml blocks, keys in the prose
 def _other_blocks(lang: str) -> list[Block]:
-    return [b for b in _blocks() if b.lang == lang]
+    return [b for b in doc_blocks() if b.lang == lang]
 
 
 @pytest.mark.parametrize("block", _other_blocks("python"), ids=lambda b: b.origin)
@@ -31,7 +32,7 @@ def test_python_blocks_import_and_compose(block, cuda):
             kw = {k.arg: k.value for k in node.keywords}
             if "overrides" in kw:
                 name = ast.literal_eval(kw["config_name"]) if "config_name" in kw else "train"
-                _check_overrides(ast.literal_eval(kw["overrides"]), block.origin, name)
+                check_overrides(ast.literal_eval(kw["overrides"]), block.origin, name)
 
 
 @pytest.mark.parametrize("block", _other_blocks("yaml"), ids=lambda b: b.origin)

@@ -27,6 +27,7 @@ from tasks.data import controls
 from tasks.data.prompts import PromptLineError, parse_prompt_line
 from tasks.models import make_adapter
 from tasks.store import Store
+from support import run_nodes  # noqa: F401 (shared helpers, tests/support.py)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,12 +55,6 @@ def _cfg(root, *extra, model="tiny_flux_kontext"):
         "train.log_with=none", "sample.steps=2", *extra])[0])
 
 
-def _run(cfg, store):
-    plan = validate.run(cfg, store)
-    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    lora = train.run(cfg, plan, store, lat["items"], txt["items"])
-    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
-    return plan, lat, txt, lora, smp
 
 
 def test_prompt_option_i_repeats():
@@ -78,8 +73,8 @@ def test_edit_matrix_rows_and_samples(pairs, model):
     size = ["sample.width=64", "sample.height=64"] if "flux2" in model else []
     cfg = lambda *extra: _cfg(pairs, *size, *extra, model=model)  # noqa: E731
     # no control dir yet: plain text-to-image training (Kontext's example's other mode; FLUX.2 without refs)
-    _, _, _, lora0, _ = _run(cfg(), store)
-    plan, lat, txt, lora, smp = _run(cfg(ctrl), store)
+    _, _, _, lora0, _ = run_nodes(cfg(), store)
+    plan, lat, txt, lora, smp = run_nodes(cfg(ctrl), store)
     assert [len(it["controls"]) for it in plan["items"]] == [1, 1, 1, 1]
     assert (lat["computed"], txt["computed"]) == (4, 0)  # a control dir added: its latents only
     assert lora["key"] != lora0["key"]
@@ -89,7 +84,7 @@ def test_edit_matrix_rows_and_samples(pairs, model):
     im = Image.open(pairs / "ctrl" / "img_02.png")
     im.putpixel((0, 0), (1, 2, 3))
     im.save(pairs / "ctrl" / "img_02.png")  # one control image's bytes
-    _, lat2, txt2, lora2, smp2 = _run(cfg(ctrl), store)
+    _, lat2, txt2, lora2, smp2 = run_nodes(cfg(ctrl), store)
     assert (lat2["computed"], txt2["computed"], lora2["computed"]) == (1, 0, 1) and lora2["key"] != lora["key"]
     assert smp2["computed"] == 2  # sample: all (a new LoRA)
 
@@ -156,7 +151,7 @@ def test_lora_files_load_in_the_kontext_pipeline(pairs):
 
     store = Store(pairs / "store")
     cfg = _cfg(pairs, f"data.control_dirs=[{pairs / 'ctrl'}]", "train.lr=0.05")
-    plan, lat, txt, lora, _ = _run(cfg, store)
+    plan, lat, txt, lora, _ = run_nodes(cfg, store)
     files = publish.publish(cfg, plan, store, pairs / "run", lora, [])["lora_files"]
     control = Image.open(pairs / "ctrl" / "img_00.png").convert("RGB").resize((32, 32))
 
@@ -188,6 +183,6 @@ def test_held_out_pairs_are_scored_with_their_controls(pairs, monkeypatch):
     store = Store(pairs / "store")
     cfg = _cfg(pairs, f"data.control_dirs=[{pairs / 'ctrl'}]", "data.validation_split=0.25")
     assert not validate.config_errors(cfg)
-    _, _, _, lora, _ = _run(cfg, store)
+    _, _, _, lora, _ = run_nodes(cfg, store)
     assert seen and all(len(c) == 1 and len(c[0]) == 1 for c in seen)  # one held-out pair, one control each
     assert lora["validation_loss"] and all(np.isfinite(v["loss"]) for v in lora["validation_loss"])

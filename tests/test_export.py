@@ -34,8 +34,8 @@ from tasks.models.tiny_flux2_dev import build_tiny_flux2_dev
 from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage
 from tasks.models.zimage import ZImageAdapter
 from tolerance import assert_close, render_sums, rounding
+from support import ALPHA, RANK, load_pipeline, pipeline_denoiser, render_64, render_peft_reference, trained_lora  # noqa: F401 (shared helpers, tests/support.py)
 
-RANK, ALPHA = 4, 8
 BUILDERS = {"flux": build_tiny_flux, "flux_kontext": build_tiny_flux_kontext, "sd3": build_tiny_sd3, "sdxl": build_tiny_sdxl, "sd15": build_tiny_sd15,
             "zimage": build_tiny_zimage, "qwenimage": build_tiny_qwenimage, "flux2_klein": build_tiny_flux2,
             "flux2_dev": build_tiny_flux2_dev}
@@ -97,49 +97,22 @@ def model_dirs(tmp_path_factory):
     return get
 
 
-def _load(model_dir):
-    return DiffusionPipeline.from_pretrained(model_dir, use_safetensors=True)
 
 
-def _denoiser(pipe):
-    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
 
 
-def _render(pipe):
-    kw = {"max_sequence_length": 32} if hasattr(pipe, "transformer") else {}
-    out = pipe(prompt="a photo of a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
-               generator=torch.Generator("cpu").manual_seed(0), **kw)
-    return out.images[0]
 
 
 # lora_B's scale: the tiny Qwen-Image's VAE damps a LoRA at 0.1 to under 1e-2 of the image for some A draws
 B_SCALE = {"qwenimage": 1.0}
 
 
-def _trained_lora(model_dir, targets, b_scale=0.1):
-    """A LoRA as training leaves it, but with non-zero B (PEFT initialises B to zero)."""
-    den = _denoiser(_load(model_dir))
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets)
-    den.add_adapter(config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * b_scale)
-    return get_peft_model_state_dict(den), config
 
 
-def _render_peft_reference(model_dir, sd, config, out_dir):
-    pipe = _load(model_dir)
-    key = "transformer" if hasattr(pipe, "transformer") else "unet"
-    type(pipe).save_lora_weights(out_dir, **{f"{key}_lora_layers": sd,
-                                             f"{key}_lora_adapter_metadata": config.to_dict()})
-    pipe.load_lora_weights(str(out_dir))
-    return _render(pipe)
 
 
 def _merge_like_comfyui(pipe, kohya, table):
-    modules = dict(_denoiser(pipe).named_modules())
+    modules = dict(pipeline_denoiser(pipe).named_modules())
     names = {k.split(".")[0] for k in kohya}
     assert {n.removeprefix("lora_unet_") for n in names} <= set(table), "module without a known original Linear"
     with torch.no_grad():
@@ -160,7 +133,7 @@ def _merge_like_comfyui(pipe, kohya, table):
 def test_kohya_export_reproduces_peft_lora(family, loader, model_dirs, tmp_path):
     model_dir = model_dirs(family)
     targets = FLUX_DIFFUSERS_TARGETS if (family, loader) == ("flux", "diffusers") else TARGETS[family]
-    sd, config = _trained_lora(model_dir, targets, B_SCALE.get(family, 0.1))
+    sd, config = trained_lora(model_dir, targets, B_SCALE.get(family, 0.1))
     meta = kohya_metadata(family, RANK, ALPHA, ss_steps=10, ss_dataset_hash="abc", loraflow_base_model="sha256:0")
     file = save_kohya(tmp_path / "out" / "lora.safetensors", family, sd, RANK, ALPHA, meta)
 
@@ -173,16 +146,16 @@ def test_kohya_export_reproduces_peft_lora(family, loader, model_dirs, tmp_path)
     if family == "sdxl":  # sd-scripts' SDXL naming, all three block kinds present
         assert {k.split("_")[2] for k in kohya} == {"input", "middle", "output"}
 
-    base = _render(_load(model_dir))
+    base = render_64(load_pipeline(model_dir))
     # The kohya file leaves out Flux's top-level proj_out (tests/test_export_clients.py): so does the reference.
     ref_sd = {k: v for k, v in sd.items() if not k.startswith("proj_out.")} if family == "flux" else sd
-    ref = _render_peft_reference(model_dir, ref_sd, config, tmp_path / "peft")
-    pipe = _load(model_dir)
+    ref = render_peft_reference(model_dir, ref_sd, config, tmp_path / "peft")
+    pipe = load_pipeline(model_dir)
     if loader == "diffusers":
         pipe.load_lora_weights(str(file))
     else:
         _merge_like_comfyui(pipe, kohya, MERGE_TABLE[family])
-    out = _render(pipe)
+    out = render_64(pipe)
 
     bound = render_sums(pipe, steps=2)  # images in [0, 1]: magnitude 1
     assert np.abs(ref - base).max() > rounding(**bound), "the LoRA should change the image beyond rounding"

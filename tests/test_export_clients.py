@@ -13,10 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ldm_convert import UNET_PREFIX, _unet
+from ldm_convert import UNET_PREFIX, ldm_unet
 from tasks.training.export import bake_alpha, save_diffusers, to_kohya
-from test_export import (ALPHA, RANK, TARGETS, _denoiser, _load, _render, _render_peft_reference,  # noqa: F401
-                         _trained_lora, model_dirs)
+from test_export import TARGETS, model_dirs  # noqa: F401 (model_dirs: a fixture)
+from support import (ALPHA, RANK, load_pipeline, pipeline_denoiser, render_64, render_peft_reference,  # noqa: F401
+                     trained_lora)
 from tolerance import assert_close, render_sums
 
 
@@ -57,7 +58,7 @@ def comfyui_transformer_key_map(family, denoiser_names):
 
 
 def _linears(pipe):
-    return {n: m for n, m in _denoiser(pipe).named_modules() if isinstance(m, torch.nn.Linear)}
+    return {n: m for n, m in pipeline_denoiser(pipe).named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 @pytest.mark.numerics
@@ -66,8 +67,8 @@ def test_diffusers_file_bakes_alpha_for_every_loader(family, model_dirs, tmp_pat
     """alpha != rank: diffusers (metadata) and ComfyUI (scale 1, metadata ignored) both give the trained LoRA."""
     assert ALPHA != RANK
     model_dir = model_dirs(family)
-    sd, config = _trained_lora(model_dir, TARGETS[family])
-    ref = _render_peft_reference(model_dir, sd, config, tmp_path / "src")  # writes src/pytorch_lora_weights
+    sd, config = trained_lora(model_dir, TARGETS[family])
+    ref = render_peft_reference(model_dir, sd, config, tmp_path / "src")  # writes src/pytorch_lora_weights
     dst = save_diffusers(tmp_path / "out" / "pytorch_lora_weights.safetensors",
                          tmp_path / "src" / "pytorch_lora_weights.safetensors")
     assert dst.read_bytes() == save_diffusers(tmp_path / "again.safetensors", tmp_path / "src" /
@@ -75,12 +76,12 @@ def test_diffusers_file_bakes_alpha_for_every_loader(family, model_dirs, tmp_pat
     baked = load_file(dst)
     assert not any(k.endswith(".alpha") for k in baked)
 
-    pipe = _load(model_dir)  # diffusers, for real
+    pipe = load_pipeline(model_dir)  # diffusers, for real
     pipe.load_lora_weights(str(dst.parent))
     bound = render_sums(pipe, steps=2)  # images in [0, 1]: magnitude 1
-    assert_close(_render(pipe), ref, magnitude=1.0, **bound, what=f"{family} diffusers")
+    assert_close(render_64(pipe), ref, magnitude=1.0, **bound, what=f"{family} diffusers")
 
-    pipe = _load(model_dir)  # ComfyUI's rule, where its key map reads our keys (see docs/lora-files.md's table)
+    pipe = load_pipeline(model_dir)  # ComfyUI's rule, where its key map reads our keys (see docs/lora-files.md's table)
     linears = _linears(pipe)
     key_map = comfyui_transformer_key_map(family, linears) if family in ("flux", "sd3") else comfyui_unet_key_map(linears)
     modules = {comfyui_lora_key(k) for k in baked}
@@ -92,7 +93,7 @@ def test_diffusers_file_bakes_alpha_for_every_loader(family, model_dirs, tmp_pat
         for x in modules:
             down, up = baked[f"{x}.lora_A.weight"], baked[f"{x}.lora_B.weight"]
             linears[key_map[x]].weight += 1.0 * (up @ down)  # no `<x>.alpha` -> scale 1
-    assert_close(_render(pipe), ref, magnitude=1.0, **bound, what=f"{family} comfyui merge")
+    assert_close(render_64(pipe), ref, magnitude=1.0, **bound, what=f"{family} comfyui merge")
 
 
 def test_bake_alpha_scale_rules():
@@ -130,13 +131,13 @@ def test_kohya_keys_are_modules_of_comfyui_and_sd_scripts(family, model_dirs):
     (networks/lora_flux.py; FLUX.1 Kontext's are Flux's: ComfyUI runs Kontext as its Flux model), SAI joint blocks
     for SD3 (networks/lora_sd3.py). Merges: tests/test_export.py."""
     model_dir = model_dirs(family)
-    sd, _ = _trained_lora(model_dir, TARGETS[family.replace("_kontext", "")])
+    sd, _ = trained_lora(model_dir, TARGETS[family.replace("_kontext", "")])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         names = {k.split(".")[0] for k in to_kohya(family, sd, RANK, ALPHA)}
     if family in ("sdxl", "sd15"):
-        orig = {k.removeprefix(UNET_PREFIX)[: -len(".weight")] for k in _unet(model_dir) if k.endswith(".weight")}
-        den = {n for n in _linears(_load(model_dir))}
+        orig = {k.removeprefix(UNET_PREFIX)[: -len(".weight")] for k in ldm_unet(model_dir) if k.endswith(".weight")}
+        den = {n for n in _linears(load_pipeline(model_dir))}
         allowed = set(comfyui_unet_key_map(den if family == "sd15" else (), orig if family == "sdxl" else ()))
         assert names and names <= allowed, sorted(names - allowed)
         return

@@ -16,7 +16,8 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
-from test_cli import REPO, _cli
+from test_cli import REPO
+from support import run_cli
 from tolerance import assert_close, render_sums, rounding
 
 SEQ = 64  # conf/model/tiny_flux2_dev.yaml
@@ -93,7 +94,7 @@ def test_whole_dag_through_the_cli_and_both_lora_files_load_into_flux2_pipeline(
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)
     run_dir = tmp_path / "run"
-    proc = _cli(["model=tiny_flux2_dev", f"data.dir={data}", f"store.root={tmp_path / 'store'}",
+    proc = run_cli(["model=tiny_flux2_dev", f"data.dir={data}", f"store.root={tmp_path / 'store'}",
                  f"hydra.run.dir={run_dir}", "data.resolution=32", "train.max_steps=3", "train.log_every=1",
                  "sample.steps=2"], REPO, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

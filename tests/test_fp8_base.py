@@ -16,15 +16,14 @@ from tasks.training.fp8_base import store_base_low
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
 from tasks.training.train_setup import prepare_denoiser
-from test_cli import REPO, _cli
+from test_cli import REPO
+from support import run_cli
+from support import BF16, generator, one_image_inputs, one_step_loss, tiny_family  # noqa: F401 (shared helpers, tests/support.py)
 
 FP8 = torch.float8_e4m3fn
-BF16 = torch.bfloat16
 FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
 
 
-def _gen(seed=0):
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.mark.parametrize("layer", [
@@ -47,7 +46,7 @@ def test_one_layer_equals_its_upcast_copy(layer, autocast):
 
     shape = (2, 24) if isinstance(reference, torch.nn.Linear) else (2, 6, 9, 9)[: reference.weight.dim()]
     x_dtype = torch.float32 if autocast else BF16
-    x = torch.randn(shape, generator=_gen(), dtype=x_dtype)
+    x = torch.randn(shape, generator=generator(), dtype=x_dtype)
     outputs, grads = [], []
     for module in (reference, low):
         xi = x.clone().requires_grad_(True)
@@ -62,25 +61,10 @@ def test_one_layer_equals_its_upcast_copy(layer, autocast):
     assert torch.equal(grads[1], grads[0])
 
 
-def _family(family, tmp_path, storage=None):
-    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32,
-             "storage_dtype": storage, "storage_modulation": False}
-    adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
-    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
-                                     "gradient_checkpointing": False}}
-    return adapter, cfg
 
 
-def _inputs(adapter):
-    pixels = torch.rand(1, 3, 64, 64, generator=_gen()) * 2 - 1
-    latents = adapter.encode_latents(adapter.load_vae(), pixels.to(BF16)).to(BF16)
-    text = {k: v[None] for k, v in adapter.encode_text(adapter.load_text_encoders(), ["a red circle"])[0].items()}
-    return latents, text
 
 
-def _loss(adapter, denoiser, latents, text):
-    train_cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
-    return adapter.training_loss(denoiser, latents, text, train_cfg, adapter.load_train_scheduler(), [_gen(3)])
 
 
 @pytest.mark.numerics
@@ -88,7 +72,7 @@ def _loss(adapter, denoiser, latents, text):
 def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
     """Input and LoRA gradients, through the whole denoiser: the fp8 base against a plain bf16 denoiser
     holding the fp8 weights upcast (same LoRA initial weights); the losses are equal too."""
-    adapter, cfg = _family(family, tmp_path, "float8_e4m3fn")
+    adapter, cfg = tiny_family(family, tmp_path, "float8_e4m3fn")
     torch.manual_seed(0)  # the LoRA's initial weights, as the train node seeds them
     low, low_lora = prepare_denoiser(adapter, cfg)
     torch.manual_seed(0)
@@ -110,11 +94,11 @@ def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
 def assert_same_step(adapter, reference, stored):
     """Loss, input gradient and LoRA gradients of one step through `stored` (denoiser, LoRA) are the same bits
     as through `reference`, which holds the stored weights upcast."""
-    latents, text = _inputs(adapter)
+    latents, text = one_image_inputs(adapter)
     results = []
     for denoiser, lora in (reference, stored):
         x = latents.clone().requires_grad_(True)
-        loss = _loss(adapter, denoiser, x, text)
+        loss = one_step_loss(adapter, denoiser, x, text)
         loss.backward()
         results.append((loss.detach(), x.grad, {n: p.grad for n, p in lora.items()}))
     (ref_loss, ref_dx, ref_grads), (loss, dx, grads) = results
@@ -141,11 +125,11 @@ def _saved_for_backward(block, run):
 
 
 def _flux_block(tmp_path, storage):
-    adapter, cfg = _family("flux", tmp_path, storage)
+    adapter, cfg = tiny_family("flux", tmp_path, storage)
     denoiser, lora = prepare_denoiser(adapter, cfg)
     block = denoiser.transformer_blocks[0]
     width = block.norm1.linear.in_features
-    g = _gen(1)
+    g = generator(1)
     hidden, context, temb = (torch.randn(1, 40, width, generator=g, dtype=BF16),
                              torch.randn(1, 24, width, generator=g, dtype=BF16),
                              torch.randn(1, width, generator=g, dtype=BF16))
@@ -180,7 +164,7 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     assert 0 < sum(b for _, b in fp8_saved) <= sum(p.numel() for p in weights if p.dtype == FP8)
 
     # diffusers' layerwise casting, applied as the previous code did (before peft): bf16 weights saved
-    adapter, cfg = _family("flux", tmp_path / "lc")
+    adapter, cfg = tiny_family("flux", tmp_path / "lc")
     denoiser = adapter.load_denoiser().requires_grad_(False)
     from tasks.training.memory import layerwise_skip_patterns
     apply_layerwise_casting(denoiser, storage_dtype=FP8, compute_dtype=BF16,
@@ -196,7 +180,7 @@ def family_sweep(tmp_path, *overrides):
     data = tmp_path / "data"
     shutil.copytree(REPO / "data" / "demo", data)
     sweep = tmp_path / "sweep"
-    proc = _cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), *overrides,
+    proc = run_cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), *overrides,
                  f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
                  "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
     return proc, sweep

@@ -239,7 +239,8 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     import re
 
     from lora_fixtures import random_lora
-    from test_comfyui_keys import REL, _comfyui_merge
+    from test_comfyui_keys import REL
+    from support import comfyui_merge
 
     from tasks.training.export import to_kohya
     from tasks.training.export_comfyui import comfyui_loads_kohya
@@ -258,7 +259,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     sd, _ = random_lora(den, targets, 4, 8)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert len(modules) == 2 * 14 and modules == set(rows)  # every trained module is in one of ComfyUI's
-    merged = _comfyui_merge("hunyuan_video15", to_kohya("hunyuan_video15", sd, 4, 8), comfy_keys)
+    merged = comfyui_merge("hunyuan_video15", to_kohya("hunyuan_video15", sd, 4, 8), comfy_keys)
     assert set(merged) == set(comfy_keys)
     for m in modules:
         key, sl = rows[m]

@@ -187,3 +187,15 @@ def test_no_private_name_is_imported_from_another_module():
              for target, names in targets.items() for name in names
              if name.startswith("_") and not name.startswith("__") and _owner(target) != importer]
     assert not wrong, "private names used across modules (make them public, or move the code):\n" + "\n".join(wrong)
+
+
+def test_tests_share_helpers_through_support_not_each_others_private_names():
+    """A helper two test files use lives, public, in tests/support.py (or another helper module); no test file
+    imports a private name of another test file (issue 44)."""
+    wrong = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and (REPO / "tests" / f"{node.module}.py").exists():
+                wrong += [f"{path.name} imports {a.name} from {node.module}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not wrong, "\n".join(wrong)

@@ -221,7 +221,8 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     import re
 
     from lora_fixtures import random_lora
-    from test_comfyui_keys import REL, _comfyui_merge
+    from test_comfyui_keys import REL
+    from support import comfyui_merge
 
     from tasks.training.export import to_kohya
     from tasks.training.export_comfyui import comfyui_loads_kohya
@@ -235,7 +236,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     sd, _ = random_lora(den, adapter.default_lora_targets(), 4, 8)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert modules and modules <= set(comfy_keys)  # every trained module is one of ComfyUI's
-    merged = _comfyui_merge("ltx2", to_kohya("ltx2", sd, 4, 8), comfy_keys)  # fails on a key left unread
+    merged = comfyui_merge("ltx2", to_kohya("ltx2", sd, 4, 8), comfy_keys)  # fails on a key left unread
     assert set(merged) == modules
     for m in modules:
         want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())

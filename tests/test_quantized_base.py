@@ -14,7 +14,8 @@ from tasks.training.memory import stored_bytes, stored_weight_bytes
 from tasks.training.quantized_base import quantize_base, quantize_weight
 from tasks.training.train_setup import prepare_denoiser
 from tasks import validate
-from test_fp8_base import BF16, FAMILIES, _family, _gen, _inputs, _loss, assert_same_step
+from test_fp8_base import FAMILIES, assert_same_step
+from support import BF16, generator, one_image_inputs, one_step_loss, tiny_family
 
 KINDS = ["int8", "nf4"]
 
@@ -31,7 +32,7 @@ def test_one_linear_equals_its_upcast_copy(kind, bias):
     from tasks.training.fp8_base import upcast
 
     reference.weight.data = upcast(low.weight, BF16)  # the same quantized values, dequantized once, held in bf16
-    x = torch.randn(3, 64, generator=_gen(), dtype=BF16)
+    x = torch.randn(3, 64, generator=generator(), dtype=BF16)
     outs, grads = [], []
     for module in (reference, low):
         xi = x.clone().requires_grad_(True)
@@ -68,7 +69,7 @@ def test_gradients_through_the_quantized_base_equal_an_upcast_copy(family, kind,
     holding the same quantized weights dequantized (same LoRA start); the losses too."""
     from tasks.training.fp8_base import upcast
 
-    adapter, cfg = _family(family, tmp_path)
+    adapter, cfg = tiny_family(family, tmp_path)
     qcfg = {**cfg, "model": {**cfg["model"], "quantize": kind}}
     torch.manual_seed(0)
     low, low_lora = prepare_denoiser(adapter, qcfg)
@@ -85,12 +86,12 @@ def test_gradients_through_the_quantized_base_equal_an_upcast_copy(family, kind,
 
 
 def test_dora_on_int8_trains_and_is_refused_on_nf4(tmp_path):
-    adapter, cfg = _family("flux", tmp_path)
+    adapter, cfg = tiny_family("flux", tmp_path)
     dora = {**cfg, "train": {**cfg["train"], "network": "dora"}, "model": {**cfg["model"], "quantize": "int8"}}
     torch.manual_seed(0)
     den, lora = prepare_denoiser(adapter, dora)
-    latents, text = _inputs(adapter)
-    _loss(adapter, den, latents, text).backward()
+    latents, text = one_image_inputs(adapter)
+    one_step_loss(adapter, den, latents, text).backward()
     assert any("magnitude" in n for n in lora) and all(torch.isfinite(p.grad).all() for p in lora.values())
 
     def errors(*o):

@@ -27,7 +27,7 @@ from tasks.models import make_adapter
 from tasks.models.qwenimage_edit import QwenImageEditAdapter, vision_text_processor
 from tasks.store import Store
 from tasks.training.export import to_kohya
-from test_edit_pairs import _run  # validate, both caches, train, sample
+from support import run_nodes  # validate, both caches, train, sample
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_controls_at_the_pipelines_size():
 def test_edit_matrix_rows_and_samples(pairs):
     store = Store(pairs / "store")
     cfg = lambda dirs=("ctrl",): _cfg(pairs, "model.max_sequence_length=448", dirs=dirs)  # noqa: E731 (2 controls: 420)
-    plan, lat, txt, lora, smp = _run(cfg(), store)
+    plan, lat, txt, lora, smp = run_nodes(cfg(), store)
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
     assert control.shape[-2:] == (128, 128)  # 1024 px / 8: the pipeline's control size, not the target's 32 px
     assert "empty:prompt:1" in txt["items"]  # the true-CFG negative of a prompt with --i sees its images too
@@ -92,13 +92,13 @@ def test_edit_matrix_rows_and_samples(pairs):
     im = Image.open(pairs / "ctrl" / "img_01.png")
     im.putpixel((0, 0), (1, 2, 3))
     im.save(pairs / "ctrl" / "img_01.png")  # one control image's bytes (and prompt 2's --i image)
-    _, lat2, txt2, lora2, smp2 = _run(cfg(), store)
+    _, lat2, txt2, lora2, smp2 = run_nodes(cfg(), store)
     assert lat2["computed"] == 1 and lora2["computed"] == 1 and lora2["key"] != lora["key"]
     # the pair's caption (its encoder sees the image), and prompt 2's texts, which see the same file
     assert txt2["computed"] == 3 and txt2["items"]["caption:img_00.png"] == txt["items"]["caption:img_00.png"]
     assert txt2["items"]["prompt:1"] == txt["items"]["prompt:1"] and smp2["computed"] == 2  # sample: all
 
-    _, lat3, txt3, lora3, _ = _run(cfg(("ctrl", "ctrl2")), store)  # a second control dir
+    _, lat3, txt3, lora3, _ = run_nodes(cfg(("ctrl", "ctrl2")), store)  # a second control dir
     assert (lat3["computed"], txt3["computed"], lora3["computed"]) == (2, 2, 1)  # its latents; both captions
 
 
@@ -157,7 +157,7 @@ def test_lora_files_load_in_the_edit_pipeline(pairs):
 
     store = Store(pairs / "store")
     cfg = _cfg(pairs, "train.lr=0.05")
-    plan, lat, txt, lora, _ = _run(cfg, store)
+    plan, lat, txt, lora, _ = run_nodes(cfg, store)
     files = publish.publish(cfg, plan, store, pairs / "run", lora, [])["lora_files"]
     control = Image.open(pairs / "ctrl" / "img_00.png").convert("RGB").resize((32, 32))
 

@@ -255,7 +255,8 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     restates it with its commit); every key of the kohya file (= the ComfyUI file) must be read and merge to the
     PEFT LoRA's delta."""
     from lora_fixtures import random_lora
-    from test_comfyui_keys import REL, _comfyui_merge
+    from test_comfyui_keys import REL
+    from support import comfyui_merge
 
     from tasks.models.tiny_video import build_tiny_wan
     from tasks.models.wan import WanAdapter
@@ -277,7 +278,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
 
     comfy_keys = {original(n): (m.out_features, m.in_features) for n, m in linears.items()}
     file = to_kohya("wan", sd, 4, 8)
-    merged = _comfyui_merge("wan", file, comfy_keys)
+    merged = comfyui_merge("wan", file, comfy_keys)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert {original(m) for m in modules} == set(merged) and len(merged) == 20  # 10 Linears x 2 blocks
     for m in modules:

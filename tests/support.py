@@ -1,0 +1,171 @@
+"""What several test files share: the helpers each once kept private in its own file, public here (issue 44:
+tests import shared helpers from this one module, never another test file's private names)."""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from conftest import prefect_home
+from tasks import cache_latents, cache_text, sample, train, validate
+from tasks.models import make_adapter, resolve_model
+from tasks.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # every page whose commands are checked
+RANK, ALPHA = 4, 8  # the hand-made LoRAs' rank and alpha (tests/test_export.py and the client tests)
+BF16 = torch.bfloat16
+
+
+def load_pipeline(model_dir):
+    return DiffusionPipeline.from_pretrained(model_dir, use_safetensors=True)
+
+
+def pipeline_denoiser(pipe):
+    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+
+
+def render_64(pipe):
+    kw = {"max_sequence_length": 32} if hasattr(pipe, "transformer") else {}
+    out = pipe(prompt="a photo of a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
+               generator=torch.Generator("cpu").manual_seed(0), **kw)
+    return out.images[0]
+
+
+def trained_lora(model_dir, targets, b_scale=0.1):
+    """A LoRA as training leaves it, but with non-zero B (PEFT initialises B to zero)."""
+    den = pipeline_denoiser(load_pipeline(model_dir))
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets)
+    den.add_adapter(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_scale)
+    return get_peft_model_state_dict(den), config
+
+
+def render_peft_reference(model_dir, sd, config, out_dir):
+    pipe = load_pipeline(model_dir)
+    key = "transformer" if hasattr(pipe, "transformer") else "unet"
+    type(pipe).save_lora_weights(out_dir, **{f"{key}_lora_layers": sd,
+                                             f"{key}_lora_adapter_metadata": config.to_dict()})
+    pipe.load_lora_weights(str(out_dir))
+    return render_64(pipe)
+
+
+@dataclass
+class Block:
+    origin: str  # file:line of the opening fence
+    lang: str
+    lines: list  # (line number, text)
+
+
+def doc_blocks() -> list[Block]:
+    blocks = []
+    for path in DOCS:
+        name, block = path.relative_to(REPO).as_posix(), None
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            fence = re.match(r"\s*```(\S*)", line)
+            if fence and block is None:
+                block = Block(f"{name}:{n}", fence.group(1).lower(), [])
+            elif fence:
+                blocks.append(block)
+                block = None
+            elif block is not None:
+                block.lines.append((n, line))
+        assert block is None, f"{name}: a ``` block is not closed"
+    return blocks
+
+
+def check_overrides(overrides: list[str], where: str, config_name: str = "train") -> int:
+    """Compose every member the overrides describe and run the CLI's config checks on it; returns the count."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tasks.config import ConfigError, compose, resolve_paths
+    from tasks.validate import config_errors
+
+    choices = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if not o.is_sweep_override():
+            choices.append([o.input_line])
+        elif o.is_interval_sweep():  # optuna's interval(a,b): its bounds
+            choices.append([f"{o.get_key_element()}={v}" for v in (o.value().start, o.value().end)])
+        else:
+            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+    members = list(itertools.product(*choices))
+    for member in members:
+        try:
+            cfg, _ = compose(config_name, list(member))
+            errors = config_errors(resolve_paths(cfg))
+        except ConfigError as e:  # a misspelt key, a wrong type, bad syntax
+            raise AssertionError(f"{where}: {e}") from None
+        assert not errors, f"{where}: {list(member)}:\n  " + "\n  ".join(errors)
+    return len(members)
+
+
+def run_cli(args, cwd, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # the CLI starts its own ephemeral API, as `make run` does
+    return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=600)
+
+
+def comfyui_merge(family: str, file: dict[str, torch.Tensor], comfy_keys) -> dict[str, torch.Tensor]:
+    """{ComfyUI module key: merged delta}, as load_lora + the LoRA weight adapter compute them; fails on any file
+    key that load_lora would leave unread, and on a delta whose shape is not the module's."""
+    key_map = {"lora_unet_" + k.replace(".", "_"): k for k in comfy_keys}  # model_lora_keys_unet, generic rule
+    read, deltas = set(), {}
+    for lora_key, module in key_map.items():
+        up, down, alpha = (f"{lora_key}.lora_up.weight", f"{lora_key}.lora_down.weight", f"{lora_key}.alpha")
+        if up not in file:
+            continue
+        read |= {up, down} | ({alpha} if alpha in file else set())
+        scale = file[alpha].item() / file[down].shape[0] if alpha in file else 1.0
+        deltas[module] = scale * (file[up].double() @ file[down].double())
+        assert tuple(deltas[module].shape) == comfy_keys[module], (module, deltas[module].shape)
+    left = sorted(set(file) - read)
+    assert not left, f"ComfyUI would log 'lora key not loaded' for {len(left)} key(s), e.g. {left[:4]}"
+    return deltas
+
+
+def generator(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def tiny_family(family, tmp_path, storage=None):
+    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32,
+             "storage_dtype": storage, "storage_modulation": False}
+    adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
+    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
+                                     "gradient_checkpointing": False}}
+    return adapter, cfg
+
+
+def one_image_inputs(adapter):
+    pixels = torch.rand(1, 3, 64, 64, generator=generator()) * 2 - 1
+    latents = adapter.encode_latents(adapter.load_vae(), pixels.to(BF16)).to(BF16)
+    text = {k: v[None] for k, v in adapter.encode_text(adapter.load_text_encoders(), ["a red circle"])[0].items()}
+    return latents, text
+
+
+def one_step_loss(adapter, denoiser, latents, text):
+    train_cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
+    return adapter.training_loss(denoiser, latents, text, train_cfg, adapter.load_train_scheduler(), [generator(3)])
+
+
+def run_nodes(cfg, store):
+    plan = validate.run(cfg, store)
+    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
+    lora = train.run(cfg, plan, store, lat["items"], txt["items"])
+    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
+    return plan, lat, txt, lora, smp
