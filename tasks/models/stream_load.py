@@ -74,11 +74,16 @@ def read_header(file: Path) -> dict[str, Entry]:
 
 
 def folder_entries(folder: Path) -> dict[str, Entry]:
-    """Every tensor of a diffusers model folder: its sharded index's files, or its one safetensors file."""
+    """Every tensor of a diffusers model folder: its sharded index's files, or its one safetensors file (the
+    canonical name first: hub folders also hold variants such as diffusion_pytorch_model.fp16.safetensors,
+    which from_pretrained reads only when asked)."""
     index = next(iter(sorted(folder.glob("*.safetensors.index.json"))), None)
+    canonical = folder / "diffusion_pytorch_model.safetensors"
     if index is not None:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         paths = [folder / f for f in files]
+    elif canonical.exists():
+        paths = [canonical]
     else:
         paths = sorted(folder.glob("*.safetensors"))
     if not paths:
