@@ -145,10 +145,8 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # With gradient_checkpointing: the blocks' saved inputs wait in host memory (tasks/training/activation_offload.py)
     gradient_checkpointing_offload: bool = False
-    # Regional torch.compile of the repeated transformer blocks (tasks/training/compiled_blocks.py); in the key
-    compile: bool = False
-    # The frozen weights of the last N transformer blocks held in host memory, copied in for each use
-    # (tasks/training/block_swap.py); 0: none
+    compile: bool = False  # regional torch.compile of the repeated blocks (tasks/training/compiled_blocks.py)
+    # The last N transformer blocks' frozen weights wait on the host, copied in per use (training/block_swap.py)
     blocks_to_swap: int = 0
     memory_limit_gb: Optional[float] = None  # preflight budget; None: the device's free memory
     mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs CUDA), through accelerate

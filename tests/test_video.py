@@ -25,6 +25,7 @@ from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data.clips import inspect_clip, read_frames, write_mp4
 from tasks.data.dataset import DatasetError
 from tasks.store import Store
+from support import run_nodes  # validate, both caches, train, sample
 
 REPO = Path(__file__).resolve().parents[1]
 FPS = 8
@@ -59,14 +60,6 @@ def _cfg(root, *extra, model="tiny_wan"):
         f"model={model}", f"data.dir={root / 'data'}", f"store.root={root / 'store'}", "data.resolution=32",
         "data.frames=9", f"sample.prompts_file={root / 'prompts.txt'}", "train.max_steps=2", "train.batch_size=1",
         "train.log_with=none", "sample.steps=2", *extra])[0])
-
-
-def _run(cfg, store):
-    plan = validate.run(cfg, store)
-    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    lora = train.run(cfg, plan, store, lat["items"], txt["items"])
-    smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
-    return plan, lat, txt, lora, smp
 
 
 def test_plan_frames_buckets_and_latent_shapes(clips):
@@ -107,10 +100,10 @@ def test_fps_resamples_and_is_in_the_key(clips):
 
 def test_edit_matrix_rows_for_clips(clips):
     cfg, store = _cfg(clips), Store(clips / "store")
-    _, lat, txt, lora, smp = _run(cfg, store)
+    _, lat, txt, lora, smp = run_nodes(cfg, store)
     # one clip's bytes (re-encoded: a brighter box) -> that latent alone, no text, train ran, sample all
     _clip(clips / "data" / "red.mp4", 12, (255, 80, 80))
-    _, lat2, txt2, lora2, smp2 = _run(cfg, store)
+    _, lat2, txt2, lora2, smp2 = run_nodes(cfg, store)
     assert (lat2["computed"], txt2["computed"], smp2["computed"]) == (1, 0, 2) and lora2["key"] != lora["key"]
     assert {n for n in lat["items"] if lat["items"][n] != lat2["items"][n]} == {"red.mp4"}
     # data.frames: the clips' latents (their frames change), never an image's
@@ -153,7 +146,7 @@ def test_samples_are_mp4_with_a_grid_and_tensorboard_gets_them(clips):
 
 def test_lora_files_load_in_wanpipeline_with_the_same_delta(clips):
     cfg, store = _cfg(clips, "export.format=both"), Store(clips / "store")
-    plan, _, _, lora, _ = _run(cfg, store)
+    plan, _, _, lora, _ = run_nodes(cfg, store)
     files = {"diffusers": publish.diffusers_file(store, lora), "kohya": publish.kohya_file(cfg, plan, store, lora)}
     from diffusers import WanPipeline
     from safetensors.torch import load_file

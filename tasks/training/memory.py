@@ -151,15 +151,20 @@ def stored_bytes(numel: int, storage: str) -> float:
 def activation_factors(config: dict) -> tuple[float, float, float]:
     """(per block, per checkpointed block, one recompute) in saved values per token x width, for this denoiser:
     those its family declares (the adapter whose denoiser class config.json names), else FLUX.1's measured ones."""
+    return _declared_factors(config.get("_class_name")) or (ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR)
+
+
+@functools.lru_cache(maxsize=None)  # the remedies' search estimates many settings of one model
+def _declared_factors(class_name: str | None) -> tuple[float, float, float] | None:
     import inspect
 
     from tasks.models import FAMILIES, adapter_class
 
     for family in FAMILIES:
         adapter = adapter_class(family)  # the class's LazyClass name: no diffusers import on a no-op run
-        if adapter.activation_factors and inspect.getattr_static(adapter, "denoiser_cls").name == config.get("_class_name"):
+        if adapter.activation_factors and inspect.getattr_static(adapter, "denoiser_cls").name == class_name:
             return adapter.activation_factors
-    return ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR
+    return None
 
 
 def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
