@@ -17,6 +17,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from bench.common import MID_ARCH, MID_RES, MID_SEQ, alternate, median
+from tasks.plan import Plan
+
 
 log = logging.getLogger("loraflow")
 _KEEP = {"models", "latents", "text", "filedigests", "tmp", "runs"}  # store folders figure 3 keeps between runs
@@ -49,7 +51,7 @@ def paired_ratios(runs: dict) -> list[float]:
 
 
 # -- figure 1: latent caching ------------------------------------------------------------------------------
-def cache_latents_seconds(cfg: dict, plan: dict, store, result: dict) -> float:
+def cache_latents_seconds(cfg: dict, plan: Plan, store, result: dict) -> float:
     """Seconds of one `cache_latents.run` into an empty latents kind: every item computed and written (also
     bench/video_cache.py's side). `result["items"]` gets the run's latent keys."""
     from tasks import cache_latents
@@ -58,17 +60,17 @@ def cache_latents_seconds(cfg: dict, plan: dict, store, result: dict) -> float:
     t = time.perf_counter()
     res = cache_latents.run(cfg, plan, store)
     dt = time.perf_counter() - t
-    assert res["computed"] == len(plan["items"]), res["computed"]
+    assert res["computed"] == len(plan.items), res["computed"]
     result["items"] = res["items"]
     return dt
 
 
-def bench_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dict:
+def bench_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
     from diffusers import AutoencoderKL
 
-    images = [it["image"] for it in plan["items"]]
-    w, h = plan["size"]
-    model_dir = plan["model_dir"]
+    images = [it["image"] for it in plan.items]
+    w, h = plan.size
+    model_dir = plan.model_dir
     result = {}
 
     def ours() -> float:
@@ -104,9 +106,9 @@ def bench_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dic
 
 
 # -- figure 2: text caching --------------------------------------------------------------------------------
-def distinct_texts(plan: dict) -> list[str]:
-    texts = [it["caption"] for it in plan["items"]]
-    for p in plan["prompts"]:
+def distinct_texts(plan: Plan) -> list[str]:
+    texts = [it["caption"] for it in plan.items]
+    for p in plan.prompts:
         texts.append(p["prompt"])
         if p["negative"]:
             texts.append(p["negative"])
@@ -114,13 +116,13 @@ def distinct_texts(plan: dict) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
-def bench_text(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dict:
+def bench_text(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
     from tasks import cache_text
 
     texts = distinct_texts(plan)
-    model_dir, max_len = plan["model_dir"], cfg["model"]["max_sequence_length"]
+    model_dir, max_len = plan.model_dir, cfg["model"]["max_sequence_length"]
     result = {}
 
     def ours() -> float:
@@ -176,7 +178,7 @@ class _StepTimes(logging.Handler):
             self.times.append(time.perf_counter())
 
 
-def bench_train(cfg: dict, plan: dict, store, latent_keys: dict, text_keys: dict, reps: int, warm_steps: int) -> dict:
+def bench_train(cfg: dict, plan: Plan, store, latent_keys: dict, text_keys: dict, reps: int, warm_steps: int) -> dict:
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from peft import LoraConfig
 
@@ -187,8 +189,8 @@ def bench_train(cfg: dict, plan: dict, store, latent_keys: dict, text_keys: dict
     tc = cfg["train"]
     steps, bs, rank = tc["max_steps"], tc["batch_size"], tc["rank"]
     assert tc["log_every"] == 1 and steps > warm_steps + 1
-    targets = lora_targets(tc, make_adapter(cfg["model"], plan["model_dir"]))
-    names = [it["name"] for it in plan["items"]]
+    targets = lora_targets(tc, make_adapter(cfg["model"], plan.model_dir))
+    names = [it["name"] for it in plan.items]
 
     handler = _StepTimes()
     log.addHandler(handler)
@@ -216,7 +218,7 @@ def bench_train(cfg: dict, plan: dict, store, latent_keys: dict, text_keys: dict
     def bare() -> list[float]:
         torch.manual_seed(tc["seed"])
         g = torch.Generator().manual_seed(tc["seed"])
-        model = FluxTransformer2DModel.from_pretrained(plan["model_dir"], subfolder="transformer",
+        model = FluxTransformer2DModel.from_pretrained(plan.model_dir, subfolder="transformer",
                                                        use_safetensors=True)
         model.requires_grad_(False)
         model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets))

@@ -98,10 +98,10 @@ def measure(mode: str, work: Path, arch: dict, steps: int) -> dict:
     cfg = config(work, arch, steps, seed=MODES.index(mode) if mode in MODES else 0)
     plan, store, lat, txt, computed = cached_nodes(cfg)
     if mode == "fill":
-        return {"components_mib": component_mib(Path(plan["model_dir"])), "cached": computed}
+        return {"components_mib": component_mib(Path(plan.model_dir)), "cached": computed}
     held = []
     if mode == "train+encoders":
-        adapter = make_adapter(cfg["model"], plan["model_dir"])
+        adapter = make_adapter(cfg["model"], plan.model_dir)
         held = [adapter.load_vae(), adapter.load_text_encoders()]
         for module in [held[0], *(m for m in vars(held[1]).values() if isinstance(m, torch.nn.Module))]:
             for w in module.state_dict().values():  # memory-mapped until read: read once, as encoding would

@@ -73,7 +73,7 @@ SETTINGS: dict[str, dict] = {
                        "steps": 300, "lr": 1e-2},
 }
 # `<model>+<network>`: the same run with train.network (LoHa/LoKr: their LyCORIS file, put on the model as
-# ComfyUI merges it, tasks/models/lycoris.py apply_lycoris). At the LoRA's lr 1e-3 neither reaches the bound
+# ComfyUI merges it, tasks/models/lora_variants/lycoris.py apply_lycoris). At the LoRA's lr 1e-3 neither reaches the bound
 # in 300 steps (measured ratios 0.84 LoKr, 0.19 LoHa): peft starts one factor of each at zero and the other's
 # products are small, so they take the larger lr LyCORIS' guides give (LoKr 1e-2: 0.073; LoHa 3e-3: 0.028).
 # FLUX.1 Kontext: one (control, target) pair, the control the target's negative; rendered with the control
@@ -101,6 +101,9 @@ SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
 SETTINGS["tiny_sd15+int8"] = {**SETTINGS["tiny_sd15"], "quantize": "int8"}  # its attention Linears (convs stay)
+# model.matmul=w8a8 (tasks/training/w8a8.py): the activations quantized per token as well (issue 45)
+SETTINGS["tiny_flux+int8+w8a8"] = {**SETTINGS["tiny_flux"], "quantize": "int8", "matmul": "w8a8"}
+SETTINGS["tiny_flux+fp8+w8a8"] = {**SETTINGS["tiny_flux"], "quantize": "fp8", "matmul": "w8a8"}
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
 def training_image(model: str) -> tuple[Image.Image, str]:
@@ -167,6 +170,7 @@ def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]
             *([f"data.frames={FRAMES}"] if s.get("clip") else []),
             *([f"model.expert={s['expert']}"] if s.get("expert") else []),
             *([f"model.quantize={s['quantize']}", "model.dtype=bfloat16"] if s.get("quantize") else []),
+            *([f"model.matmul={s['matmul']}"] if s.get("matmul") else []),
             "train.log_every=25", "train.log_with=none",
             f"sample.prompts_file={root / 'prompts.txt'}", "sample.steps=2", "export.format=both",
             f"store.root={root / 'store'}"]
@@ -202,9 +206,9 @@ def train_nodes(model: str, root: Path, settings: dict | None = None) -> tuple[P
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     lora = train.run(cfg, plan, store, lat["items"], txt["items"])
     if cfg["train"]["network"] in ("loha", "lokr"):
-        return Path(plan["model_dir"]), {"lycoris": publish.lycoris_file(cfg, plan, store, lora)}
+        return Path(plan.model_dir), {"lycoris": publish.lycoris_file(cfg, plan, store, lora)}
     files = {"diffusers": publish.diffusers_file(store, lora), "kohya": publish.kohya_file(cfg, plan, store, lora)}
-    return Path(plan["model_dir"]), files
+    return Path(plan.model_dir), files
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -308,7 +312,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
         merge = (fmt == "kohya" and type(pipe).__name__ in MERGED) or fmt == "comfyui"
         loaders[fmt] = "merge" if merge else "load_lora_weights"
         if fmt == "lycoris":
-            from tasks.models.lycoris import apply_lycoris
+            from tasks.models.lora_variants.lycoris import apply_lycoris
 
             loaders[fmt] = "ComfyUI's LoHa/LoKr rule (apply_lycoris)"
             apply_lycoris(denoiser_of(pipe), file)

@@ -192,7 +192,7 @@ def _status_total() -> int:
 
 def needs_row(name: str, root: Path) -> dict:
     """`none` where there is no GPU: the bf16 base is held in host memory whole; what that needs."""
-    from tasks.models.stream_load import folder_entries
+    from tasks.models.loading.stream_load import folder_entries
 
     entries = folder_entries(root / name / "transformer")
     weights = sum(e.end - e.start for e in entries.values())

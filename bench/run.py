@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             plan, store = compute.plan_for(cfg)  # builds the mid-sized model into the store once
             details["mid_model"] = {"arch": common.MID_ARCH, "max_sequence_length": common.MID_SEQ,
                                     "resolution": common.MID_RES, "build_and_validate_s": time.perf_counter() - t,
-                                    **_param_counts(plan["model_dir"])}
+                                    **_param_counts(plan.model_dir)}
             lat = txt = None
             if 1 in only or 3 in only:
                 print("figure 1: latent caching ...", flush=True)

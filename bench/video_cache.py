@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from tasks.plan import Plan
+
+
 HERE = Path(__file__).resolve().parent
 # Wan 2.1's VAE layout (dim_mult 1-2-4-4, 2 res blocks a stage) at a third of its width (96): ~6 M encoder
 # parameters, about 3 s per 33-frame 128 px clip on 2 cores, so that encoding dominates as it does for the real one.
@@ -115,20 +118,20 @@ def bare_latents(model_dir, clips: list, frames: int, size, dtype: str, out: Pat
     return zs
 
 
-def bench_video_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) -> dict:
+def bench_video_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
     """ours and bare alternated over the plan's clips: seconds per repetition, medians, ratio bare / ours."""
     from bench.common import alternate, median
     from bench.compute import paired_ratios, cache_latents_seconds
 
-    clips = [it["image"] for it in plan["items"]]
-    (frames,), result = {it["clip"]["frames"] for it in plan["items"]}, {}  # clips of one length only
+    clips = [it["image"] for it in plan.items]
+    (frames,), result = {it["clip"]["frames"] for it in plan.items}, {}  # clips of one length only
 
     def bare() -> float:
         out = scratch / "bare_latents"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         t = time.perf_counter()
-        bare_latents(plan["model_dir"], clips, frames, plan["size"], cfg["model"]["dtype"], out)
+        bare_latents(plan.model_dir, clips, frames, plan.size, cfg["model"]["dtype"], out)
         dt = time.perf_counter() - t
         shutil.rmtree(out, ignore_errors=True)
         return dt
@@ -146,7 +149,7 @@ def bench_video_latents(cfg: dict, plan: dict, store, scratch: Path, reps: int) 
                       "bare": timed("bare", bare)}, reps)
     ours_m, bare_m = median(runs["ours"]), median(runs["bare"])
     ours_cpu, bare_cpu = cpu["ours"][1:], cpu["bare"][1:]  # the warm-up round left out, as alternate does
-    return {"clips": len(clips), "frames": frames, "size": list(plan["size"]), "reps": reps,
+    return {"clips": len(clips), "frames": frames, "size": list(plan.size), "reps": reps,
             "ours_s": runs["ours"], "bare_s": runs["bare"], "ours_median": ours_m, "bare_median": bare_m,
             "ratio": bare_m / ours_m, "paired_ratios": [1 / r for r in paired_ratios(runs)],
             "ours_cpu_s": ours_cpu, "bare_cpu_s": bare_cpu, "cpu_ratio": median(bare_cpu) / median(ours_cpu),

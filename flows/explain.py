@@ -90,7 +90,7 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
                              sample.inputs(cfg, plan, lora_key, text_keys),
                              key=sample.key_of_node(cfg, plan, lora_key, text_keys))
     return {"config_name": config_name, "store": str(store.root), "previous_run": record is not None,
-            "nodes": {n: nodes[n] for n in NODES}, "warnings": plan["warnings"]}
+            "nodes": {n: nodes[n] for n in NODES}, "warnings": plan.warnings}
 
 
 def format_table(result: dict) -> str:

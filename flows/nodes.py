@@ -14,8 +14,10 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import sample_point_artifact
 from tasks import cache_latents, cache_text, learning, sample, train, validate
+from tasks.plan import Plan
 from tasks.store.hashing import key_of
 from tasks.store.remote_store import open_store
+
 
 PLANS, RESULTS = "plans", "results"  # <store>/flowstate/<area>/: validate's plan, the other nodes' results
 _LOADED: dict[tuple[str, str], dict] = {}  # (kind, key) -> JSON this process stored or read: read once
@@ -35,6 +37,11 @@ def load(store, kind: str, key: str) -> dict:
             _LOADED.pop(next(iter(_LOADED)))
         _LOADED[(kind, key)] = store.get_state(kind, key)
     return _LOADED[(kind, key)]
+
+
+def load_plan(store, key: str) -> Plan:
+    """validate's plan by its key in the store."""
+    return Plan.from_stored(load(store, PLANS, key))
 
 
 # What differs between two runs of a node with the same key: Prefect's result carries these, the store the rest
@@ -67,13 +74,13 @@ def validate_task(cfg: dict) -> dict:
 @task(name="cache_latents", **_cached)
 def cache_latents_task(key: str, cfg: dict, plan: str) -> dict:
     store = open_store(cfg["store"])
-    return _kept(store, cache_latents.run(cfg, load(store, PLANS, plan), store))
+    return _kept(store, cache_latents.run(cfg, load_plan(store, plan), store))
 
 
 @task(name="cache_text", **_cached)
 def cache_text_task(key: str, cfg: dict, plan: str) -> dict:
     store = open_store(cfg["store"])
-    return _kept(store, cache_text.run(cfg, load(store, PLANS, plan), store))
+    return _kept(store, cache_text.run(cfg, load_plan(store, plan), store))
 
 
 @task(name="train", **_cached)
@@ -81,7 +88,7 @@ def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir
     # run_dir (where TensorBoard logs and live samples go) is not part of the key: it changes no artifact.
     store = open_store(cfg["store"])
     latent_keys, text_keys = load(store, RESULTS, latents)["items"], load(store, RESULTS, texts)["items"]
-    return _kept(store, train.run(cfg, load(store, PLANS, plan), store, latent_keys, text_keys,
+    return _kept(store, train.run(cfg, load_plan(store, plan), store, latent_keys, text_keys,
                                 run_dir and Path(run_dir), on_samples=[sample_point_artifact]))
 
 
@@ -89,7 +96,7 @@ def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir
 def sample_task(key: str, cfg: dict, plan: str, lora: str, texts: str) -> dict:
     store = open_store(cfg["store"])
     trained = load(store, RESULTS, lora)
-    return _kept(store, sample.run(cfg, load(store, PLANS, plan), store, trained["key"], trained["lora"],
+    return _kept(store, sample.run(cfg, load_plan(store, plan), store, trained["key"], trained["lora"],
                                  load(store, RESULTS, texts)["items"]))
 
 

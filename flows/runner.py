@@ -21,7 +21,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows import shards
+from tasks.plan import Plan
 from tasks.store.remote_store import open_store
+
 
 log = logging.getLogger("loraflow")
 # Test-only fault: "NODE:N:PATH" makes the first shard of NODE (the one that creates PATH) kill its own
@@ -74,10 +76,10 @@ def _with_fault(store, node: str):
       retry_condition_fn=_not_a_user_error)
 def cache_shard(node: str, cfg: dict, plan: str, keys: list[str]) -> dict:
     """`plan`: its key in the store (every worker reads it there, once)."""
-    from flows.nodes import PLANS, load
+    from flows.nodes import load_plan
 
     store = _with_fault(open_store(cfg["store"]), node)
-    computed = shards.compute_shard(node, cfg, load(store, PLANS, plan), store, keys)
+    computed = shards.compute_shard(node, cfg, load_plan(store, plan), store, keys)
     store.save_indexes()
     return {"worker": _worker_address(), "computed": computed}
 
@@ -116,7 +118,7 @@ def _api_for_workers(rc: dict):
             os.environ["PREFECT_API_URL"] = before
 
 
-def fill_on_dask(cfg: dict, plan: dict, plan_key: str, store) -> dict[str, dict]:
+def fill_on_dask(cfg: dict, plan: Plan, plan_key: str, store) -> dict[str, dict]:
     """Computes both caching nodes' missing items on the cluster; per node {"workers": {worker address: items
     computed}, "seconds"}."""
     rc = cfg["runner"]

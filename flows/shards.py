@@ -7,13 +7,15 @@ finished items, and the shard run again computes only the rest."""
 from __future__ import annotations
 
 from tasks import cache_latents, cache_text
+from tasks.plan import Plan
 from tasks.store import Store
+
 
 NODES = {"cache_latents": cache_latents, "cache_text": cache_text}
 _MODELS: dict = {}  # this worker process's VAE / text encoders, loaded by its first shard
 
 
-def missing_keys(node: str, cfg: dict, plan: dict, store: Store) -> list[str]:
+def missing_keys(node: str, cfg: dict, plan: Plan, store: Store) -> list[str]:
     """The node's distinct item keys that the store does not hold (valid), in plan order."""
     module = NODES[node]
     return [k for k in dict.fromkeys(module.item_keys(cfg, plan).values()) if not store.valid(module.KIND, k)]
@@ -28,7 +30,7 @@ def split(keys: list[str], n_workers: int, shard_size: int | None = None) -> lis
     return [keys[i:i + size] for i in range(0, len(keys), size)]
 
 
-def compute_shard(node: str, cfg: dict, plan: dict, store: Store, keys: list[str]) -> int:
+def compute_shard(node: str, cfg: dict, plan: Plan, store: Store, keys: list[str]) -> int:
     """Computes the shard's items that are still missing (a retried shard skips what it finished); returns
     how many it computed."""
     return NODES[node].run(cfg, plan, store, only=set(keys), models=_MODELS)["computed"]

@@ -87,7 +87,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     # runner=dask: the missing items are computed on the cluster first; the nodes then find them stored
     # The tasks get the plan's key: Prefect never walks 100,000 items. The memory estimate (free RAM now) is
     # for the report only: left out, the same dataset and config give the same plan entry run after run.
-    plan_key = keep(store, PLANS, {k: v for k, v in plan.items() if k != "memory"})
+    plan_key = keep(store, PLANS, plan.stored())
     workers = fill_on_dask(cfg, plan, plan_key, store) if cfg["runner"]["name"] == "dask" else None
     latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
     texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
@@ -107,7 +107,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = assemble(config_name, results, previous, plan, lora, texts, artifacts, run_dir, repaired)
     if cfg["learning"]["scorer"]:  # the demo: base vs LoRA, scored (samples/before_after.png)
-        report["learning"] = learning_task(cfg, plan["model_dir"], artifacts["lora_files"].get("diffusers")
+        report["learning"] = learning_task(cfg, plan.model_dir, artifacts["lora_files"].get("diffusers")
                                            or artifacts["lora"], str(run_dir))
         report["artifacts"]["before_after"] = report["learning"].pop("before_after")
     path = write_report(run_dir, report)

@@ -5,15 +5,17 @@ import logging
 
 from PIL import Image, ImageOps
 
+from tasks.config import ConfigError
 from tasks.data import clips, controls, masks, video
 from tasks.data.images import image_to_tensor_and_geometry, read_image
-from tasks.store.hashing import key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
-from tasks.models import adapter_class, make_adapter
-from tasks.config import ConfigError
 from tasks.lazy import lazy
+from tasks.models import adapter_class, make_adapter
+from tasks.plan import Plan
 from tasks.runtime import runtime
 from tasks.store import Store
+from tasks.store.hashing import key_of
+
 
 torch = lazy("torch")
 
@@ -22,42 +24,42 @@ KIND = "latents"
 log = logging.getLogger("loraflow")
 
 
-def params(cfg: dict, plan: dict) -> dict:
+def params(cfg: dict, plan: Plan) -> dict:
     """Everything besides the image bytes that determines a latent."""
-    version = adapter_class(plan["family"]).latent_version  # the family's own, once set (SDXL: size ids stored)
-    settings = make_adapter(cfg["model"], plan["model_dir"]).latent_settings()  # e.g. the VAE's compute dtype
-    return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan["ids"]["vae"], "size": plan["size"],
-            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan["family"],
+    version = adapter_class(plan.family).latent_version  # the family's own, once set (SDXL: size ids stored)
+    settings = make_adapter(cfg["model"], plan.model_dir).latent_settings()  # e.g. the VAE's compute dtype
+    return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan.ids["vae"], "size": plan.size,
+            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan.family,
             **({"family_version": version} if version else {}), **settings, **runtime()}
 
 
-def _item_key(p: dict, plan: dict, it: dict, image_digest: str) -> str:
+def _item_key(p: dict, plan: Plan, it: dict, image_digest: str) -> str:
     # A bucketed item carries its own size; the key has the size it is encoded at either way. A flipped
     # twin (data.flip_aug) is the same bytes mirrored: "flip" in its key only, so other keys stay.
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
     resize = {"resize_to": it["resize_to"]} if "resize_to" in it else {}  # a control at its family's size
     clip = {"clip": it["clip"]} if "clip" in it else {}  # a video clip: the frames taken and their rate
-    return key_of({**p, "size": it.get("size", plan["size"]), "image": image_digest, **flip, **resize, **clip})
+    return key_of({**p, "size": it.get("size", plan.size), "image": image_digest, **flip, **resize, **clip})
 
 
 MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
 
 
-def _mask_key(plan: dict, it: dict) -> str:
+def _mask_key(plan: Plan, it: dict) -> str:
     # the mask's bytes and the geometry only: a VAE or dtype change leaves masks as they are (tasks/data/masks.py)
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
     return key_of({"node": "cache_latents", "code": CODE_VERSION, "mask": it["mask_kind"], "digest": it["mask_digest"],
-                   "size": it.get("size", plan["size"]), "resize": "cover+center-crop+bicubic", **flip})
+                   "size": it.get("size", plan.size), "resize": "cover+center-crop+bicubic", **flip})
 
 
-def latent_items(plan: dict) -> list[dict]:
+def latent_items(plan: Plan) -> list[dict]:
     """What is encoded: each image, and each control image of an edit pair (data.control_dirs) as an item
     `control:<image>:<k>` fitted to its target's size, mirrored with it, then resized to the family's control
     size where its pipeline resizes controls (`resize_to`; tasks/data/controls.py)."""
-    out = list(plan["items"])
-    control_size = adapter_class(plan["family"]).control_size
-    for it in plan["items"]:
-        size, to = list(it.get("size", plan["size"])), list(control_size(*it.get("size", plan["size"])))
+    out = list(plan.items)
+    control_size = adapter_class(plan.family).control_size
+    for it in plan.items:
+        size, to = list(it.get("size", plan.size)), list(control_size(*it.get("size", plan.size)))
         resize = {"resize_to": to} if to != size else {}
         for k, (path, digest) in enumerate(it.get("controls", [])):
             out.append({"name": controls.item_name(it["name"], k), "image": path, "image_digest": digest,
@@ -65,28 +67,28 @@ def latent_items(plan: dict) -> list[dict]:
     return out
 
 
-def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
+def item_keys(cfg: dict, plan: Plan) -> dict[str, str]:
     """{item name: its latent's key} (control images too), and {"mask:<name>": its mask's key} for the items
     with a loss mask."""
     p = params(cfg, plan)
     return {**{it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in latent_items(plan)},
-            **{MASK + it["name"]: _mask_key(plan, it) for it in plan["items"] if "mask" in it}}
+            **{MASK + it["name"]: _mask_key(plan, it) for it in plan.items if "mask" in it}}
 
 
-def inputs(cfg: dict, plan: dict) -> dict:
+def inputs(cfg: dict, plan: Plan) -> dict:
     items = latent_items(plan)
     return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in items},
             **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
             **{f"flip:{it['name']}": "horizontal" for it in items if "flip_of" in it},
             **{f"clip:{it['name']}": it["clip"] for it in items if "clip" in it},
-            **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan["items"] if "mask" in it}}
+            **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan.items if "mask" in it}}
 
 
-def _write_masks(store: Store, plan: dict, todo: list[dict], keys: dict[str, str]) -> None:
+def _write_masks(store: Store, plan: Plan, todo: list[dict], keys: dict[str, str]) -> None:
     """Each item's mask through its image's resize and crop (tasks/data/masks.py), uint8, one entry each."""
     for it in todo:
         img = masks.mask_image(it["mask"], it["mask_kind"])
-        pixels = masks.mask_pixels(img, *it.get("size", plan["size"]), flip="flip_of" in it)
+        pixels = masks.mask_pixels(img, *it.get("size", plan.size), flip="flip_of" in it)
         store.put_tensors(KIND, keys[MASK + it["name"]], {"mask": pixels}, meta={"mask": it["name"]}, recomputable=True)
 
 
@@ -132,14 +134,14 @@ def batches_of(todo: list[dict], batch_size: int) -> list[list[dict]]:
     return [b for group in groups.values() for b in chunks(group, batch_size)]
 
 
-def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
+def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
     keys = item_keys(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
-    mask_todo = [it for it in plan["items"] if MASK + it["name"] in keys and keys[MASK + it["name"]] in missing]
+    mask_todo = [it for it in plan.items if MASK + it["name"] in keys and keys[MASK + it["name"]] in missing]
     if mask_todo:  # no VAE: a mask edit computes that mask alone
         distinct = list({keys[MASK + it["name"]]: it for it in mask_todo}.values())  # identical masks: one entry
         _write_masks(store, plan, distinct, keys)
@@ -147,10 +149,10 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     if missing - {keys[MASK + it["name"]] for it in mask_todo}:
         todo = [it for it in latent_items(plan) if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
-        adapter = make_adapter(cfg["model"], plan["model_dir"])
-        vae = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_vae)
+        adapter = make_adapter(cfg["model"], plan.model_dir)
+        vae = load_once(models, (KIND, key_of(plan.ids), cfg["model"]["dtype"]), adapter.load_vae)
         batches = batches_of(todo, batch_size)
-        pixels_of = lambda batch: _pixels(batch, plan["size"])  # noqa: E731
+        pixels_of = lambda batch: _pixels(batch, plan.size)  # noqa: E731
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
         loaded = prefetch(pixels_of, batches) if torch.cuda.is_available() else map(pixels_of, batches)
@@ -167,8 +169,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
                         edited.append(it["name"])
                         key = _item_key(p, plan, it, digest)
                     extra = geom if adapter.size_conditioning else {}
-                    if adapter.video:  # the frame rate the latent was taken at (LTX-2's RoPE reads it in training)
-                        extra = {"fps": torch.tensor(float(it["clip"]["fps"] if "clip" in it else adapter.default_fps))}
+                    if adapter.clips:  # the frame rate the latent was taken at (LTX-2's RoPE reads it in training)
+                        extra = {"fps": torch.tensor(float(it["clip"]["fps"] if "clip" in it else adapter.clips.default_fps))}
                     writes.submit(store.put_tensors, KIND, key, {"latents": z, **extra},
                                   meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(todo), len(status.reused))
@@ -184,5 +186,5 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
 
 
-def key_of_node(cfg: dict, plan: dict) -> str:
+def key_of_node(cfg: dict, plan: Plan) -> str:
     return key_of(inputs(cfg, plan))

@@ -5,22 +5,24 @@ from __future__ import annotations
 import logging
 
 from tasks.data import augment, controls, prompts
-from tasks.models import text_encoder_lora as te_lora
-from tasks.store.hashing import digest_text, key_of
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
 from tasks.models import adapter_class, make_adapter
+from tasks.models.lora_variants import text_encoder_lora as te_lora
+from tasks.plan import Plan
 from tasks.runtime import runtime
 from tasks.store import Store
+from tasks.store.hashing import digest_text, key_of
+
 
 CODE_VERSION = "1"
 KIND = "text"
 log = logging.getLogger("loraflow")
 
 
-def params(cfg: dict, plan: dict) -> dict:
-    return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan["ids"]["text"],
+def params(cfg: dict, plan: Plan) -> dict:
+    return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan.ids["text"],
             "max_sequence_length": cfg["model"]["max_sequence_length"], "dtype": cfg["model"]["dtype"],
-            "family": plan["family"], **runtime()}
+            "family": plan.family, **runtime()}
 
 
 def caption_aug(cfg: dict) -> augment.CaptionAug:
@@ -46,22 +48,22 @@ def caption_texts_of(cfg: dict):
     return lambda item: augment.cached_texts(item["caption"], aug, seed)
 
 
-def caption_texts(cfg: dict, plan: dict, item: dict) -> dict[str, str]:
+def caption_texts(cfg: dict, plan: Plan, item: dict) -> dict[str, str]:
     """label -> text of every caption text training reads from the cache for this item (with augmentation:
     each variant and warm-up truncation); empty when training encodes captions itself."""
     return caption_texts_of(cfg)(item)
 
 
-def named_texts_only(plan: dict, cfg: dict) -> dict[str, str]:
+def named_texts_only(plan: Plan, cfg: dict) -> dict[str, str]:
     """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
     augmentation variants) only when training reads them from the cache; otherwise it encodes them. None
     with train.text_encoder_lr: train and sample encode every text with the encoders being trained."""
     if te_lora.enabled(cfg):
         return {}
     texts_of = caption_texts_of(cfg)
-    texts = {caption_name(it["name"], label): text for it in plan["items"] if "flip_of" not in it
+    texts = {caption_name(it["name"], label): text for it in plan.items if "flip_of" not in it
              for label, text in texts_of(it).items()}  # a flipped twin has its source's texts
-    for p in plan["prompts"]:
+    for p in plan.prompts:
         texts[f"prompt:{p['line']}"] = p["prompt"]
         if p["negative"]:
             texts[f"negative:{p['line']}"] = p["negative"]
@@ -69,22 +71,22 @@ def named_texts_only(plan: dict, cfg: dict) -> dict[str, str]:
     return texts
 
 
-def named_images(plan: dict, cfg: dict) -> dict[str, dict]:
+def named_images(plan: Plan, cfg: dict) -> dict[str, dict]:
     """For a family whose text encoder sees the control images (Qwen-Image-Edit), what each text is encoded
     with: {name: {"images": [[file, sha256], ...], "size": [w, h]}}, the controls fitted to that size. A
     caption (and its variants) sees its item's controls, with caption dropout so does the item's own empty
     prompt (`empty:<item>`); a sample prompt's texts see its --i images at the sample's size, and so does its
     empty prompt (`empty:prompt:<line>`, its negative for true CFG). {} for every other family."""
-    if not adapter_class(plan["family"]).text_sees_controls or te_lora.enabled(cfg):
+    if not adapter_class(plan.family).controls.seen_by_text or te_lora.enabled(cfg):
         return {}
     texts_of, out = caption_texts_of(cfg), {}
     dropout = caption_aug(cfg).caption_dropout_rate > 0
-    for it in (it for it in plan["items"] if it.get("controls")):
-        seen = {"images": it["controls"], "size": list(it.get("size", plan["size"]))}
+    for it in (it for it in plan.items if it.get("controls")):
+        seen = {"images": it["controls"], "size": list(it.get("size", plan.size))}
         out.update({caption_name(it["name"], label): seen for label in texts_of(it)})
         if dropout:
             out[f"empty:{it['name']}"] = seen
-    for p in (p for p in plan["prompts"] if p.get("images")):
+    for p in (p for p in plan.prompts if p.get("images")):
         s = prompts.sample_settings(cfg, plan, p)
         seen = {"images": p["images"], "size": [s["width"], s["height"]]}
         out[f"prompt:{p['line']}"] = out[f"empty:prompt:{p['line']}"] = seen
@@ -93,7 +95,7 @@ def named_images(plan: dict, cfg: dict) -> dict[str, dict]:
     return out
 
 
-def named_texts(plan: dict, cfg: dict) -> dict[str, str]:
+def named_texts(plan: Plan, cfg: dict) -> dict[str, str]:
     """named_texts_only, plus the empty prompts that see control images (named_images)."""
     texts = named_texts_only(plan, cfg)
     return {**texts, **{n: "" for n in named_images(plan, cfg) if n.startswith("empty:")}}
@@ -104,16 +106,16 @@ def seen_part(seen: dict | None) -> dict:
     return {"images": [d for _, d in seen["images"]], "image_size": seen["size"]} if seen else {}
 
 
-def text_key(cfg: dict, plan: dict, text: str, seen: dict | None = None) -> str:
+def text_key(cfg: dict, plan: Plan, text: str, seen: dict | None = None) -> str:
     return key_of({**params(cfg, plan), "text": text, **seen_part(seen)})
 
 
-def item_keys(cfg: dict, plan: dict) -> dict[str, str]:
+def item_keys(cfg: dict, plan: Plan) -> dict[str, str]:
     p, seen = params(cfg, plan), named_images(plan, cfg)
     return {name: key_of({**p, "text": text, **seen_part(seen.get(name))}) for name, text in named_texts(plan, cfg).items()}
 
 
-def inputs(cfg: dict, plan: dict) -> dict:
+def inputs(cfg: dict, plan: Plan) -> dict:
     seen = named_images(plan, cfg)
     return {**params(cfg, plan), **{n: key_of([digest_text(t), seen_part(seen.get(n))]) if n in seen else digest_text(t)
                                     for n, t in named_texts(plan, cfg).items()}}
@@ -125,7 +127,7 @@ def seen_images(seen: dict | None) -> list:
 
 
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
-def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str] | None = None,
+def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
@@ -135,8 +137,8 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
     if status.missing:
         by_key = {keys[n]: t for n, t in texts.items()}
         seen_by_key = {keys[n]: s for n, s in seen.items()}
-        adapter = make_adapter(cfg["model"], plan["model_dir"])
-        encoders = load_once(models, (KIND, key_of(plan["ids"]), cfg["model"]["dtype"]), adapter.load_text_encoders)
+        adapter = make_adapter(cfg["model"], plan.model_dir)
+        encoders = load_once(models, (KIND, key_of(plan.ids), cfg["model"]["dtype"]), adapter.load_text_encoders)
         batches = list(chunks(status.missing, batch_size))
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch in progress(batches, "cache_text", len(batches)):
@@ -155,5 +157,5 @@ def run(cfg: dict, plan: dict, store: Store, batch_size: int = 1, only: set[str]
                        distinct_texts=len(set(keys.values())), **live)
 
 
-def key_of_node(cfg: dict, plan: dict) -> str:
+def key_of_node(cfg: dict, plan: Plan) -> str:
     return key_of(inputs(cfg, plan))

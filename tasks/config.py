@@ -40,6 +40,9 @@ class ModelConfig:
     # none | fp8 | int8 | nf4: the frozen base stored quantized while training (fp8 = storage_dtype=float8_e4m3fn;
     # int8 / nf4: torchao's tensors, tasks/training/quantized_base.py)
     quantize: str = "none"
+    # auto | dequantize | w8a8: how an fp8 / int8 base multiplies (tasks/training/w8a8.py); auto: w8a8 on a GPU
+    # with the kernel, else dequantize (the weight upcast, then a compute-dtype matmul)
+    matmul: str = "auto"
     max_sequence_length: int = 32
     # Wan 2.2: high | low, the expert a run trains, or both (one LoRA; tasks/models/wan22.py); null elsewhere
     expert: Optional[str] = None
@@ -123,7 +126,7 @@ class TrainConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     guidance: float = 1.0  # Flux-dev's distilled guidance value fed while training
-    # Loss options (tasks/models/losses.py), sd-scripts' meanings: noise + noise_offset * randn(b, c, 1, 1);
+    # Loss options (tasks/models/bases/losses.py), sd-scripts' meanings: noise + noise_offset * randn(b, c, 1, 1);
     # l2 | huber (pseudo-Huber, constant huber_c); min-SNR-gamma weights (SD1.5/SDXL only; null: off)
     noise_offset: float = 0.0
     loss: str = "l2"
@@ -138,7 +141,7 @@ class TrainConfig:
     # optimizer step), kept in checkpoints and exported beside the plain LoRA; null: off
     ema_decay: Optional[float] = None
     # A LoRA on the text encoders too (SD1.5/SDXL; kohya's --text_encoder_lr), in its own optimizer group at
-    # this lr; captions are then encoded live (tasks/models/text_encoder_lora.py). null: off, only the denoiser trains
+    # this lr; captions are then encoded live (tasks/models/lora_variants/text_encoder_lora.py). null: off, only the denoiser trains
     text_encoder_lr: Optional[float] = None
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10

@@ -7,7 +7,7 @@ from tasks.config import ConfigError
 from tasks.data import augment, controls, subsets, video
 from tasks.data.sizes import resolve_size
 from tasks.models import adapter_class
-from tasks.models import text_encoder_lora as te_lora
+from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.runtime import cuda_available
 from tasks.training import memory, validation_loss as validation
 from tasks.training.compiled_blocks import compile_errors
@@ -142,6 +142,12 @@ def _check_device(cfg: dict) -> list[str]:
         errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")
     if quantize not in ("none", "fp8", "int8", "nf4"):
         errors.append(f"model.quantize={quantize!r}: choose none, fp8, int8 or nf4")
+    elif cfg["model"].get("matmul", "auto") not in ("auto", "dequantize", "w8a8"):
+        errors.append(f"model.matmul={cfg['model']['matmul']!r}: choose auto, dequantize or w8a8")
+    elif cfg["model"].get("matmul") == "w8a8" and quantize not in ("fp8", "int8") and storage != "float8_e4m3fn":
+        errors.append(f"model.matmul=w8a8 multiplies an fp8 or int8 base in its own type; with model.quantize="
+                      f"{quantize} there is none (nf4 has no 4-bit matmul: it dequantizes); set model.quantize=fp8 or "
+                      "int8, or model.matmul=auto")
     elif quantize != "none" and storage:
         errors.append(f"model.quantize={quantize} with model.storage_dtype={storage}: two ways to store the base; "
                       "keep one (model.quantize=fp8 is model.storage_dtype=float8_e4m3fn)")
@@ -218,8 +224,8 @@ def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
                       f"SDXL); {family} trains by flow matching: use train.weighting_scheme instead, or "
                       "train.min_snr_gamma=null")
     if tc["network"] in ("loha", "lokr"):
-        # peft's LoHa/LoKr (tasks/models/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
-        # encoders' LoRA (tasks/models/text_encoder_lora.py) is a plain LoRA in diffusers' layout
+        # peft's LoHa/LoKr (tasks/models/lora_variants/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
+        # encoders' LoRA (tasks/models/lora_variants/text_encoder_lora.py) is a plain LoRA in diffusers' layout
         if tc.get("rslora"):
             errors.append(f"train.network={tc['network']} with train.rslora=true: rsLoRA's alpha / sqrt(rank) is a "
                           "LoRA option (peft has none for LoHa/LoKr); set train.rslora=false")

@@ -63,7 +63,7 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
     """Render, score, and write <run_dir>/samples/before_after.png; returns the report's `learning`."""
     from tasks.demo import score
     from tasks.models import make_adapter
-    from tasks.models.base import load_lora_file
+    from tasks.models.bases.adapter import load_lora_file
 
     lcfg = cfg["learning"]
     if lcfg["scorer"] not in SCORERS:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tasks.models import lycoris
-from tasks.training import export, export_comfyui, export_lycoris
-from tasks.training.checkpoint_samples import publish_step
-from tasks.store.hashing import key_of
 from tasks.lazy import lazy
+from tasks.models.lora_variants import lycoris
+from tasks.plan import Plan
 from tasks.sample import make_grid, slug
 from tasks.store import Store
+from tasks.store.hashing import key_of
+from tasks.training import export, export_comfyui, export_lycoris
+from tasks.training.checkpoint_samples import publish_step
+
 
 st = lazy("safetensors.torch")
 
@@ -41,7 +43,7 @@ def split_text_encoders(state_dict: dict) -> tuple[dict, dict[str, dict]]:
     return peft_from_diffusers({k: v for k, v in state_dict.items() if not k.startswith("text_encoder")}), text
 
 
-def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "kohya") -> Path:
+def kohya_file(cfg: dict, plan: Plan, store: Store, lora: dict, layout: str = "kohya") -> Path:
     """The kohya file (layout "kohya"), or ComfyUI's layout of the family's model ("comfyui": export_comfyui.to_comfyui)."""
     tc = cfg["train"]
     key = key_of({"lora": lora["key"], "format": layout, "code": export.CODE_VERSION})
@@ -53,41 +55,41 @@ def kohya_file(cfg: dict, plan: dict, store: Store, lora: dict, layout: str = "k
         config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
         te_lr = {"ss_text_encoder_lr": tc["text_encoder_lr"]} if tc.get("text_encoder_lr") is not None else {}
         metadata = export.kohya_metadata(
-            plan["family"], tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
-            ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
-            ss_config_hash=key_of(config), loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"],
+            plan.family, tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
+            ss_num_train_images=len(pairs), ss_resolution=plan.size, ss_dataset_hash=key_of(pairs),
+            ss_config_hash=key_of(config), loraflow_base_model=plan.ids["denoiser"], loraflow_train_key=lora["key"],
             **te_lr)
         denoiser, text_encoders = split_text_encoders(st.load_file(lora["lora"]))
         base = _base_weights(cfg, plan) if tc.get("network") == "dora" else None  # each module's dora_scale
         with store.tmp_dir("publish") as tmp:
             if layout == "comfyui":
-                path = export_comfyui.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan["family"], denoiser,
+                path = export_comfyui.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan.family, denoiser,
                                            tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"}, base)
             else:
-                path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan["family"], denoiser, tc["rank"],
+                path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan.family, denoiser, tc["rank"],
                                          alpha, metadata, text_encoders, base)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(KOHYA_KIND, key)
 
 
-def _base_weights(cfg: dict, plan: dict):
+def _base_weights(cfg: dict, plan: Plan):
     """module name -> the base denoiser's weight, loaded as training loads it (folder or single file)."""
     from tasks.models import make_adapter
 
-    modules = dict(make_adapter(cfg["model"], plan["model_dir"]).load_denoiser().named_modules())
+    modules = dict(make_adapter(cfg["model"], plan.model_dir).load_denoiser().named_modules())
     return lambda name: modules[name].weight.detach()
 
 
-def lycoris_file(cfg: dict, plan: dict, store: Store, lora: dict) -> Path:
+def lycoris_file(cfg: dict, plan: Plan, store: Store, lora: dict) -> Path:
     """train.network=loha|lokr: the LyCORIS file (export_lycoris.to_lycoris) of the train node's peft file."""
     tc = cfg["train"]
     key = key_of({"lora": lora["key"], "format": "lycoris", "code": export.CODE_VERSION})
     if not store.valid(LYCORIS_KIND, key):
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
         info = dict(ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
-                    ss_num_train_images=len(pairs), ss_resolution=plan["size"], ss_dataset_hash=key_of(pairs),
-                    ss_base_model_version=export.base_model_version(plan["family"]),
-                    loraflow_base_model=plan["ids"]["denoiser"], loraflow_train_key=lora["key"])
+                    ss_num_train_images=len(pairs), ss_resolution=plan.size, ss_dataset_hash=key_of(pairs),
+                    ss_base_model_version=export.base_model_version(plan.family),
+                    loraflow_base_model=plan.ids["denoiser"], loraflow_train_key=lora["key"])
         with store.tmp_dir("publish") as tmp:
             path = export_lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info)
             store.put_file(LYCORIS_KIND, key, path, meta={"lora": lora["key"]})
@@ -103,7 +105,7 @@ def diffusers_file(store: Store, lora: dict) -> Path:
     return store.get_path(DIFFUSERS_KIND, key)
 
 
-def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
+def publish(cfg: dict, plan: Plan, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
     lora_dir = run_dir / "lora"
     lora_dir.mkdir(parents=True, exist_ok=True)
     fmt, files = cfg["export"]["format"], {}
@@ -122,7 +124,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
         shutil.copyfile(kohya_file(cfg, plan, store, lora), files["kohya"])
     # Every run has a file ComfyUI's loader maps completely: the kohya file where it does, else (Z-Image) the
     # LoRA in ComfyUI's own layout (export_comfyui.to_comfyui)
-    layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan["family"]) else "comfyui"
+    layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan.family) else "comfyui"
     if "comfyui" in files:
         pass  # LoHa/LoKr: the LyCORIS file
     elif cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
@@ -143,7 +145,7 @@ def publish(cfg: dict, plan: dict, store: Store, run_dir: Path, lora: dict, samp
     out = run_dir / "samples"
     out.mkdir(exist_ok=True)
     paths = []
-    for src, p in zip(samples, plan["prompts"]):
+    for src, p in zip(samples, plan.prompts):
         dst = out / f"{p['line']:03d}_{slug(p['prompt'])}{Path(src).suffix}"  # .png, or a video family's .mp4
         shutil.copyfile(src, dst)
         paths.append(str(dst))

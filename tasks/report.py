@@ -5,8 +5,10 @@ import json
 import os
 from pathlib import Path
 
+from tasks.plan import Plan
 from tasks.runtime import cuda_available, torch, versions
 from tasks.store.hashing import changed_inputs
+
 
 NODES = ("validate", "cache_latents", "cache_text", "train", "sample")
 
@@ -17,25 +19,25 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             "changed": changed_inputs(previous_inputs, result["inputs"]), "repaired": result.get("repaired", []),
             **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {}),
             **({"workers": result["workers"]} if "workers" in result else {}),  # caching: {worker: items computed}
-            # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/models/text_encoder_lora.py)
+            # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/models/lora_variants/text_encoder_lora.py)
             **({"text_encoding": result["text_encoding"]} if "text_encoding" in result else {})}
 
 
-def assemble(config_name: str, results: dict, previous: dict, plan: dict, lora: dict, texts: dict, artifacts: dict,
+def assemble(config_name: str, results: dict, previous: dict, plan: Plan, lora: dict, texts: dict, artifacts: dict,
              run_dir: Path, repaired: list[str]) -> dict:
     """report.json of a flow run: `results` are the five nodes' results, `previous` their inputs in the last
     run of this config (what changed), `artifacts` what publish wrote."""
     report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
-              "artifacts": {**artifacts, "base_model": plan["model_dir"],
+              "artifacts": {**artifacts, "base_model": plan.model_dir,
                             # the steps trained in this run (none when the train node was cached)
                             **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
-              "config_name": config_name, "warnings": plan["warnings"] + lora.get("sample_warnings", []),
+              "config_name": config_name, "warnings": plan.warnings + lora.get("sample_warnings", []),
               "loss": lora.get("losses", []),
               # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation_loss.py)
               "validation_loss": lora.get("validation_loss", []),
-              "memory_estimate": plan["memory"], "dataset": plan["dataset"],
-              "dataset_subsets": plan["dataset_subsets"],  # folder, images, repeats, is_reg of each
-              "text_augmentation": {**plan["augmentation"], "cached_caption_texts": texts.get("caption_texts", 0)}}
+              "memory_estimate": plan.memory, "dataset": plan.dataset,
+              "dataset_subsets": plan.dataset_subsets,  # folder, images, repeats, is_reg of each
+              "text_augmentation": {**plan.augmentation, "cached_caption_texts": texts.get("caption_texts", 0)}}
     report["repaired"] = repaired  # "<kind>/<key>": store entries, runs/<config>, filedigests/<memo>
     # the device and libraries; from the run that trained the LoRA: compile, attention and matmul kernels
     report["runtime"] = {**runtime_entry(), **lora.get("runtime", {})}

@@ -11,13 +11,15 @@ from PIL import Image
 from tasks import cache_text
 from tasks.data import controls, prompts
 from tasks.data.clips import Video, read_frames, write_mp4
-from tasks.models import text_encoder_lora as te_lora
-from tasks.store.hashing import key_of
 from tasks.items import check_items, node_result, progress
 from tasks.models import make_adapter
-from tasks.models.base import on_pipeline_device
+from tasks.models.bases.adapter import on_pipeline_device
+from tasks.models.lora_variants import text_encoder_lora as te_lora
+from tasks.plan import Plan
 from tasks.runtime import runtime
 from tasks.store import Store
+from tasks.store.hashing import key_of
+
 
 CODE_VERSION = "1"
 KIND = "samples"
@@ -27,21 +29,21 @@ log = logging.getLogger("loraflow")
 settings = prompts.sample_settings  # a prompt's own kohya options over the sample.* defaults
 
 
-def prompt_inputs(cfg: dict, plan: dict, text_keys: dict[str, str]) -> dict[str, dict]:
+def prompt_inputs(cfg: dict, plan: Plan, text_keys: dict[str, str]) -> dict[str, dict]:
     """What each prompt's image depends on besides the LoRA (its settings, texts and the sampler)."""
-    base = {"node": "sample", "code": CODE_VERSION, "model": plan["ids"]["sample"],
-            "dtype": cfg["model"]["dtype"], "family": plan["family"], **runtime()}
+    base = {"node": "sample", "code": CODE_VERSION, "model": plan.ids["sample"],
+            "dtype": cfg["model"]["dtype"], "family": plan.family, **runtime()}
     if te_lora.enabled(cfg):
         # Encoded live (nothing cached): each text by its cache key (the text and the encoders' identity); the
         # LoRA's key covers the encoders' LoRA.
         base["text_encoding"] = "live"
         key = lambda text: cache_text.text_key(cfg, plan, text)  # noqa: E731
-        text_keys = {"empty": key(""), **{f"{kind}:{p['line']}": key(p[kind]) for p in plan["prompts"]
+        text_keys = {"empty": key(""), **{f"{kind}:{p['line']}": key(p[kind]) for p in plan.prompts
                                           for kind in ("prompt", "negative") if p[kind]}}
     return {f"prompt:{p['line']}": {**base, **settings(cfg, plan, p), "prompt": text_keys[f"prompt:{p['line']}"],
                                     "negative": text_keys.get(f"negative:{p['line']}"), "empty": text_keys[empty_name(p, text_keys)],
                                     **control_inputs(p)}
-            for p in plan["prompts"]}
+            for p in plan.prompts}
 
 
 def empty_name(prompt: dict, text_keys: dict) -> str:
@@ -64,11 +66,11 @@ def render(adapter, pipe, texts: tuple, s: dict, prompt: dict):
     return controls.beside(images, image) if images else image
 
 
-def item_keys(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
+def item_keys(cfg: dict, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
     return {name: key_of({**inputs, "lora": lora_key}) for name, inputs in prompt_inputs(cfg, plan, text_keys).items()}
 
 
-def inputs(cfg: dict, plan: dict, lora_key: str, text_keys: dict[str, str]) -> dict:
+def inputs(cfg: dict, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict:
     # per prompt without the LoRA: a new LoRA is reported as `lora` alone, not as every prompt too
     return {"node": "sample", "code": CODE_VERSION, "lora": lora_key,
             **{name: key_of(i) for name, i in prompt_inputs(cfg, plan, text_keys).items()}}
@@ -107,11 +109,11 @@ def make_grid(images: list[Path], out: Path, columns: int = 4) -> Path:
     return out
 
 
-def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text_keys: dict) -> dict:
+def run(cfg: dict, plan: Plan, store: Store, lora_key: str, lora_file: str, text_keys: dict) -> dict:
     keys = item_keys(cfg, plan, lora_key, text_keys)
     status = check_items(store, KIND, keys.values())
     if status.missing:
-        adapter = make_adapter(cfg["model"], plan["model_dir"])
+        adapter = make_adapter(cfg["model"], plan.model_dir)
         live = te_lora.enabled(cfg)  # the LoRA file has text-encoder layers: the pipeline keeps its encoders
         pipe = adapter.load_sampler(Path(lora_file), **({"text_encoders": True} if live else {}))
 
@@ -121,7 +123,7 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
             return store.get_tensors(cache_text.KIND, text_keys[name])
 
         todo = set(status.missing)
-        for p in progress(plan["prompts"], "sample"):
+        for p in progress(plan.prompts, "sample"):
             key = keys[f"prompt:{p['line']}"]
             if key not in todo:
                 continue
@@ -136,9 +138,9 @@ def run(cfg: dict, plan: dict, store: Store, lora_key: str, lora_file: str, text
         log.info("sample: rendered %d sample(s), reused %d", len(status.missing), len(status.reused))
 
     node_inputs = inputs(cfg, plan, lora_key, text_keys)
-    samples = [str(store.get_path(KIND, keys[f"prompt:{p['line']}"])) for p in plan["prompts"]]
+    samples = [str(store.get_path(KIND, keys[f"prompt:{p['line']}"])) for p in plan.prompts]
     return node_result(key_of(node_inputs), keys, status, node_inputs, samples=samples)
 
 
-def key_of_node(cfg: dict, plan: dict, lora_key: str, text_keys: dict) -> str:
+def key_of_node(cfg: dict, plan: Plan, lora_key: str, text_keys: dict) -> str:
     return key_of(inputs(cfg, plan, lora_key, text_keys))

@@ -15,16 +15,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tasks import cache_latents
+from tasks.config import stored_as
 from tasks.data import masks, video
 from tasks.items import Memo as _Memo, check_items, node_result, prefetch
 from tasks.lazy import lazy
-from tasks.config import stored_as
 from tasks.models import make_adapter
-from tasks.models import text_encoder_lora as te_lora
+from tasks.models.lora_variants import text_encoder_lora as te_lora
+from tasks.plan import Plan
 from tasks.store import Store
-from tasks.store.stored_files import canonicalize_safetensors
 from tasks.store.hashing import key_of
-from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, validation_loss as validation
+from tasks.store.stored_files import canonicalize_safetensors
+from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, validation_loss as validation, w8a8
 # the batch readers and draws (tests and tasks.training.distributed import these names from the node)
 from tasks.training.batches import (BatchLoader, Captions, Latents, batch_at, buckets_of,  # noqa: F401
                                     item_generators, my_share)
@@ -64,7 +65,7 @@ def _duration(seconds: float) -> str:
 class _Run:
     """What the steps of one training run share, set up by `_set_up`."""
     cfg: dict
-    plan: dict
+    plan: Plan
     store: Store
     adapter: object
     accelerator: object
@@ -94,7 +95,7 @@ class _Run:
         return self.accelerator.is_main_process
 
 
-def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
+def train_lora(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
                trajectory: str, run_dir: Path | None = None, on_samples: list | None = None) -> dict:
     """The training loop, top to bottom. Runs as one process or as each of `train.num_processes` (data
     parallel: every step's batch is split across processes, gradients summed with the loss weights of
@@ -111,8 +112,8 @@ def train_lora(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys
 def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _Run:
     """Data readers, seeds, accelerate, the denoiser with its LoRA, the optimizer and schedules, the sampler."""
     tc = cfg["train"]
-    adapter = make_adapter(cfg["model"], plan["model_dir"])
-    names = [it["name"] for it in plan["items"]]
+    adapter = make_adapter(cfg["model"], plan.model_dir)
+    names = [it["name"] for it in plan.items]
     latents = Latents(store, [latent_keys[n] for n in names])
     texts = Captions(cfg, plan, store, adapter, text_keys)
     seed = int(tc["seed"])
@@ -132,11 +133,11 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,
                                 [to_tensorboard(accelerator), *(on_samples or [])],
                                 live_text=None if encoders is None else te_lora.live_prompts(adapter, encoders))
-    held = plan.get("validation_items", [])
+    held = plan.validation_items
     scoring = _held_out(plan, store, latent_keys, texts, held) if held else None
-    repeats = [0 if it["name"] in held else it.get("repeats", 1) for it in plan["items"]]
+    repeats = [0 if it["name"] in held else it.get("repeats", 1) for it in plan.items]
     buckets = buckets_of(latents.shapes, repeats)
-    load = BatchLoader(store, plan["items"], latent_keys, latents, texts, buckets,
+    load = BatchLoader(store, plan.items, latent_keys, latents, texts, buckets,
                        min(tc["batch_size"], sum(repeats)),  # an epoch draws sum(repeats) items
                        seed, accelerator.process_index, accelerator.num_processes, tc["gradient_accumulation_steps"],
                        tc["prior_loss_weight"])
@@ -149,17 +150,18 @@ def kernels(cfg: dict, adapter, denoiser) -> dict:
     report names (tasks/training/compiled_blocks.py)."""
     compiled = compile_blocks(denoiser, adapter.swap_blocks) if cfg["train"].get("compile") else 0
     return {"compile": {"enabled": bool(compiled), "blocks": compiled}, "attention": attention_backend(),
-            "matmul": matmul_path(stored_as(cfg["model"]), str(adapter.dtype).replace("torch.", ""))}
+            "matmul": matmul_path(stored_as(cfg["model"]), str(adapter.dtype).replace("torch.", ""),
+                                  w8a8.resolve(cfg["model"]))}
 
 
-def _held_out(plan: dict, store: Store, latent_keys: dict, texts: Captions, held: list[str]) -> tuple:
+def _held_out(plan: Plan, store: Store, latent_keys: dict, texts: Captions, held: list[str]) -> tuple:
     """The held-out items' readers: their own memos (the loader thread has its own), the same encoders."""
     val_latents = Latents(store, [latent_keys[n] for n in held])
-    by_name = {it["name"]: it for it in plan["items"]}
+    by_name = {it["name"]: it for it in plan.items}
     val_texts = copy.copy(texts)  # fresh draws, its own memo
     val_texts.items, val_texts.memo = [by_name[n] for n in held], _Memo(batches.MEMO_ITEMS)
-    control_keys = BatchLoader.control_keys_of(plan["items"], latent_keys)
-    return val_latents, val_texts, validation.held_controls(store, cache_latents.KIND, plan["items"], control_keys,
+    control_keys = BatchLoader.control_keys_of(plan.items, latent_keys)
+    return val_latents, val_texts, validation.held_controls(store, cache_latents.KIND, plan.items, control_keys,
                                                             held)
 
 
@@ -188,7 +190,7 @@ def _announce(run: _Run) -> None:
     tc, accelerator, world = run.tc, run.accelerator, run.accelerator.num_processes
     if run.main:
         log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g%s, %d trainable parameters",
-                 tc["max_steps"], len(run.plan["items"]) - len(run.held), tc["batch_size"],
+                 tc["max_steps"], len(run.plan.items) - len(run.held), tc["batch_size"],
                  f" over {world} processes" if world > 1 else "", tc["rank"], tc["lr"],
                  "" if run.encoders is None else f" (text encoders: {tc['text_encoder_lr']:g})",
                  sum(p.numel() for p in run.named.values()))
@@ -196,7 +198,7 @@ def _announce(run: _Run) -> None:
     groups = run.load.groups
     if len(groups) > 1 and run.main:
         log.info("train: %d buckets, each batch from one: %s", len(groups),
-                 ", ".join(f"{video.bucket_name(run.plan['items'][g[0]], run.plan['size'])}: {len(g)}" for g in groups))
+                 ", ".join(f"{video.bucket_name(run.plan.items[g[0]], run.plan.size)}: {len(g)}" for g in groups))
 
 
 def _train_steps(run: _Run, trajectory: str) -> None:
@@ -243,9 +245,9 @@ def _optimizer_step(run: _Run, batches, accum: int):
         weight, gens = batch.weight / accum, batch.generators
         batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
         text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
-        # reg images' weights reach the loss through the train config (tasks/models/losses.py: item_weights)
+        # reg images' weights reach the loss through the train config (tasks/models/bases/losses.py: item_weights)
         step_cfg = tc if batch.item_weights is None else {**tc, "item_weights": batch.item_weights}
-        if batch.loss_mask is not None:  # and the masks, on the latent grid (tasks/models/losses.py: masked)
+        if batch.loss_mask is not None:  # and the masks, on the latent grid (tasks/models/bases/losses.py: masked)
             grid = masks.on_latent_grid(batch.loss_mask.to(accelerator.device), batch_latents.shape[-2:])
             step_cfg = {**step_cfg, "loss_mask": grid}
         with accelerator.autocast():
@@ -310,7 +312,7 @@ def _export(run: _Run, out_dir: Path) -> dict | None:
             **({"validation_loss": run.val_losses} if run.held else {})}
 
 
-def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
+def run(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
         on_samples: list | None = None) -> dict:
     """The train node: the stored LoRA for this key, or a new one trained in this process or, with
     `train.num_processes` > 1, under `accelerate launch` (tasks/training/distributed.py). `run_dir` receives the
@@ -345,7 +347,7 @@ def run(cfg: dict, plan: dict, store: Store, latent_keys: dict, text_keys: dict,
                 if ema_file:  # stored before the LoRA: a stored LoRA of an EMA run has its EMA
                     canonicalize_safetensors(Path(ema_file))
                     store.put_file(EMA_KIND, key, ema_file, meta={"lora": key, "ema_decay": cfg["train"]["ema_decay"]})
-                store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan["family"]})
+                store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan.family})
         resumed = (out or {}).get("continued_from_step") or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),

@@ -8,19 +8,21 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks.data import augment, controls, masks, subsets, video
-from tasks.training import host_memory, memory, validation_loss as validation
-from tasks.models import text_encoder_lora as te_lora
 from tasks.config import ConfigError
+from tasks.data import augment, controls, masks, subsets, video
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
-from tasks.store.hashing import digest_file, key_of
 from tasks.data.image_memo import ImageMemo
-from tasks.models import adapter_class, component_ids, make_adapter, resolve_model
 from tasks.data.prompts import read_prompts
 from tasks.data.sizes import bucket_sizes, nearest_bucket, resolve_size
+from tasks.models import adapter_class, component_ids, make_adapter, resolve_model
+from tasks.models.lora_variants import text_encoder_lora as te_lora
+from tasks.plan import Plan
 from tasks.store import Store
+from tasks.store.hashing import digest_file, key_of
+from tasks.training import host_memory, memory, validation_loss as validation
 # the config checks (re-exported: the CLI and the tests call validate.config_errors)
 from tasks.config_checks import check_config, check_sizes, config_errors  # noqa: F401
+
 
 CODE_VERSION = "1"
 FLIPPED = ":flipped"  # suffix of a flipped twin's name (data.flip_aug); no image file name ends with it
@@ -73,10 +75,10 @@ def run(cfg: dict, store: Store) -> dict:
     if held:
         log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
                  len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
-    clips = {"video": video.sample_defaults(dc, adapter_cls.default_fps)} if adapter_cls.video else {}
-    return {**({"validation_items": held} if held else {}), **clips, "family": family, "model_dir": str(model_dir), "ids": ids, "size": list(size), "items": plan_items,
-            "prompts": plan_prompts, "warnings": warnings, "augmentation": augmentation, "memory": estimate,
-            "dataset": dataset, "dataset_subsets": dataset_subsets}
+    return Plan(family=family, model_dir=str(model_dir), ids=ids, size=list(size), items=plan_items,
+                prompts=plan_prompts, warnings=warnings, augmentation=augmentation, memory=estimate, dataset=dataset,
+                dataset_subsets=dataset_subsets, validation_items=held,
+                video=video.sample_defaults(dc, adapter_cls.clips.default_fps) if adapter_cls.clips else None)
 
 
 def _read_dataset(dc: dict, store: Store, adapter_cls) -> tuple[list, list[dict], list[dict], list[str]]:
@@ -85,7 +87,7 @@ def _read_dataset(dc: dict, store: Store, adapter_cls) -> tuple[list, list[dict]
     chosen, layout_warnings = subsets.resolve(dc)
     memos = {}  # per folder: images decoded and digested before, by stat (tasks/data/image_memo.py)
     checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
-        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.video)
+        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.clips is not None)
     for memo in memos.values():
         memo.save(lambda path, data: store.write_small(path, data, f"the image memo {path.name}"))
     items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]
@@ -133,7 +135,7 @@ def _plan_items(cfg: dict, items: list, dataset: list[dict], adapter_cls, size) 
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
-    video.attach(dc, plan_items, [it for it, _, _ in items], adapter_cls.frame_step)  # each clip's frames and rate
+    video.attach(dc, plan_items, [it for it, _, _ in items], adapter_cls.clips)  # each clip's frames and rate
     for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc["control_dirs"] else []):
         plan_items, left_out = attach(dc, plan_items, items)  # each item's mask / control images
         kept = {e["name"] for e in plan_items}
@@ -182,11 +184,11 @@ def _dataset_warnings(dataset: list[dict]) -> list[str]:
     return warnings
 
 
-def images(plan: dict) -> int:
+def images(plan: Plan) -> int:
     """The items validate checked: a flipped twin (data.flip_aug) is its source image again."""
-    return sum("flip_of" not in it for it in plan["items"])
+    return sum("flip_of" not in it for it in plan.items)
 
 
-def inputs(plan: dict) -> dict:
-    return {"node": "validate", "code": CODE_VERSION, "model": plan["ids"], "size": plan["size"],
-            **{f"image:{it['name']}": it["image_digest"] for it in plan["items"]}}
+def inputs(plan: Plan) -> dict:
+    return {"node": "validate", "code": CODE_VERSION, "model": plan.ids, "size": plan.size,
+            **{f"image:{it['name']}": it["image_digest"] for it in plan.items}}

@@ -8,11 +8,17 @@ from pathlib import Path
 
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.config import compose, resolve_paths
+from tasks.models import FAMILIES, adapter_class
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = ["zimage", "qwenimage", "flux2_klein", "flux2_dev"]  # the 2026 families
-ALL = ["flux", "sd3", "sdxl", "sd15", *NEW]
+
+
+def image_families() -> list[str]:
+    """The registry's text-to-image families (tasks/models/__init__.py FAMILIES, by what each declares): those
+    that render from a prompt alone, the video families left out."""
+    return [f for f in FAMILIES if adapter_class(f).clips is None and not adapter_class(f).controls.required]
 N = 4  # images
 PROMPTS = "a red circle on a blue background\na green square --n blurry\na blue triangle --w 48 --h 32\n"
 
@@ -54,5 +60,5 @@ class Family:
         """Terms in one step's mean loss: `batch` latents of this run's shape (all demo images share it)."""
         cfg = self.cfg()
         plan = validate.run(cfg, Store(self.store))
-        key = cache_latents.item_keys(cfg, plan)[plan["items"][0]["name"]]
+        key = cache_latents.item_keys(cfg, plan)[plan.items[0]["name"]]
         return batch * math.prod(Store(self.store).tensor_shapes(cache_latents.KIND, key)["latents"])

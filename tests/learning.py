@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import torch
 
-import tasks.models.flow_matching as flow_matching
-import tasks.models.unet as unet
+import tasks.models.bases.flow_matching as flow_matching
+import tasks.models.bases.unet as unet
 from bench.file_mutations import FILE_MUTATIONS
 
-# The modules whose training_loss calls noise_latents / weighted_loss (imported by name, so patched there).
-FLOW_MODULES = ("flux", "sd3", "zimage", "qwenimage", "flux2", "wan")
-
-
 def _flow_modules():
-    import importlib
+    """The modules whose training_loss calls noise_latents / weighted_loss, imported by name (so patched there):
+    every adapter module of the registry and the shared bases that import them."""
+    import sys
 
-    return [importlib.import_module(f"tasks.models.{m}") for m in FLOW_MODULES]
+    from tasks.models import FAMILIES, adapter_class
+
+    for family in FAMILIES:
+        adapter_class(family)  # imports the family's module and its bases
+    return [m for name, m in sorted(sys.modules.items())
+            if name.startswith("tasks.models.") and m is not flow_matching and hasattr(m, "weighted_loss")]
 
 
 def sign_flipped(monkeypatch, family: str) -> None:

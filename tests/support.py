@@ -18,6 +18,7 @@ from peft.utils import get_peft_model_state_dict
 from conftest import prefect_home
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.models import make_adapter, resolve_model
+from tasks.plan import Plan
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,3 +170,9 @@ def run_nodes(cfg, store):
     lora = train.run(cfg, plan, store, lat["items"], txt["items"])
     smp = sample.run(cfg, plan, store, lora["key"], lora["lora"], txt["items"])
     return plan, lat, txt, lora, smp
+
+
+def a_plan(**fields) -> Plan:
+    """A Plan with the fields a test names, the others empty (a key test's plan names only what the key reads)."""
+    return Plan(**{**dict(family="flux", model_dir="", ids={}, size=[64, 64], items=[], prompts=[], warnings=[],
+                          augmentation={}, dataset=[], dataset_subsets=[]), **fields})

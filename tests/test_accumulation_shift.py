@@ -12,9 +12,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from tasks import cache_latents, cache_text, train, validate
 from tasks.training import batches
 from tasks.config import compose, resolve_paths
-from tasks.models.flow_matching import noise_latents, shifted_sigmas
+from tasks.models.bases.flow_matching import noise_latents, shifted_sigmas
 from tasks.store import Store
 from tolerance import assert_close
+from support import a_plan
 
 NEW = ("train.gradient_accumulation_steps", "train.timestep_sampling", "train.discrete_flow_shift")
 
@@ -32,7 +33,7 @@ def _train(store_root, *extra) -> dict:
 
 
 def test_new_settings_enter_the_key_only_when_they_take_effect():
-    plan = {"family": "flux", "ids": {"denoiser": "d", "scheduler": "s"}, "items": []}
+    plan = a_plan(family="flux", ids={"denoiser": "d", "scheduler": "s"})
     assert not set(NEW) & set(train.inputs(_cfg(), plan, {}, {}))
     assert not set(NEW) & set(train.inputs(_cfg("train.discrete_flow_shift=5"), plan, {}, {}))
     keyed = train.inputs(_cfg("train.gradient_accumulation_steps=2", "train.timestep_sampling=shift"), plan, {}, {})

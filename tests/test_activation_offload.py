@@ -49,8 +49,8 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
     cfg, store = _cfg(tmp_path, "model=tiny_flux", "train.mixed_precision=bf16"), Store(tmp_path / "store")
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan["model_dir"])
-    names = [it["name"] for it in plan["items"][:2]]
+    adapter = make_adapter(cfg["model"], plan.model_dir)
+    names = [it["name"] for it in plan.items[:2]]
     latents = torch.stack([store.get_tensors(cache_latents.KIND, lat["items"][n])["latents"] for n in names])
     texts = [store.get_tensors(cache_text.KIND, txt["items"][cache_text.caption_name(n, "full.v0")]) for n in names]
     text = {k: torch.stack([t[k] for t in texts]) for k in texts[0]}
@@ -93,7 +93,7 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
 def test_preflight_moves_the_block_inputs_to_the_host(tmp_path):
     cfg = _cfg(tmp_path, "model=tiny_flux", "train.mixed_precision=bf16", "train.batch_size=1", "model.quantize=nf4",
                "model.dtype=bfloat16")
-    adapter = make_adapter(cfg["model"], validate.run(cfg, Store(tmp_path / "store"))["model_dir"])
+    adapter = make_adapter(cfg["model"], validate.run(cfg, Store(tmp_path / "store")).model_dir)
     cfg["train"]["optimizer"] = "adamw8bit"  # (validate refuses it without CUDA): the estimate's remedies all taken
 
     def est(c):

@@ -18,7 +18,7 @@ def test_ours_and_bare_same_latents_and_report(tmp_path):
     assert all(p.with_suffix(".txt").is_file() for p in clips)
     cfg = video_cache.video_cfg(tmp_path / "data", tmp_path / "store", FRAMES, SIZE, {})
     plan, store = compute.plan_for(cfg)
-    assert [it["clip"] for it in plan["items"]] == [{"frames": FRAMES, "fps": 8.0}] * 2
+    assert [it["clip"] for it in plan.items] == [{"frames": FRAMES, "fps": 8.0}] * 2
 
     res = video_cache.bench_video_latents(cfg, plan, store, tmp_path, reps=1)
     keys = ("clips", "frames", "size", "reps", "ours_s", "bare_s", "ours_median", "bare_median", "ratio", "cpu_ratio")
@@ -30,9 +30,9 @@ def test_ours_and_bare_same_latents_and_report(tmp_path):
 
     # Exactly equal: the same VAE weights run on the same pixels (same decode, resize, [-1, 1] scaling, one clip
     # at a time) in the same process with the same threads, so the same kernels give the same bytes.
-    names = [it["name"] for it in plan["items"]]
+    names = [it["name"] for it in plan.items]
     ours = [store.get_tensors(cache_latents.KIND, res["latent_keys"][n])["latents"] for n in names]
-    bare = video_cache.bare_latents(plan["model_dir"], [it["image"] for it in plan["items"]], FRAMES, plan["size"],
+    bare = video_cache.bare_latents(plan.model_dir, [it["image"] for it in plan.items], FRAMES, plan.size,
                                     cfg["model"]["dtype"], out=tmp_path)
     assert [z.shape for z in ours] == [torch.Size([16, 1 + (FRAMES - 1) // 4, SIZE // 8, SIZE // 8])] * 2
     for a, b in zip(ours, bare):

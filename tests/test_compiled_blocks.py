@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tasks.models import make_adapter, resolve_model
@@ -15,9 +16,10 @@ from tasks.training import compiled_blocks
 from tasks.training.compiled_blocks import compile_blocks, compile_errors, matmul_path
 from tasks.training.train_key import inputs
 from tasks.training.train_setup import prepare_denoiser
+from support import a_plan
 
 MODEL = {"path": None, "seed": 0, "arch": {}, "dtype": "float32", "max_sequence_length": 32, "storage_dtype": None,
-         "storage_modulation": False, "quantize": "none"}
+         "storage_modulation": False, "quantize": "none", "matmul": "auto"}
 
 
 def _adapter(family: str, root: Path):
@@ -38,9 +40,16 @@ def _step(adapter, denoiser, named):
     return loss.detach(), {n: p.grad.clone() for n, p in named.items()}
 
 
-def test_a_compiled_step_equals_eager_within_fp32_rounding(tmp_path):
+@pytest.mark.parametrize("model_extra,train_extra", [
+    ({}, {}),
+    # torchao's int8 weights and a swapped block run eagerly inside the compiled blocks (fp8_base._eager_linear)
+    ({"quantize": "int8", "matmul": "w8a8"}, {"blocks_to_swap": 1}),
+    ({"quantize": "nf4"}, {})])
+def test_a_compiled_step_equals_eager_within_fp32_rounding(tmp_path, model_extra, train_extra):
     adapter, model = _adapter("flux", tmp_path)
-    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": True}}
+    model = {**model, **model_extra}
+    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
+                                     **train_extra}}
     torch.manual_seed(0)
     eager, eager_lora = prepare_denoiser(adapter, cfg)
     torch.manual_seed(0)
@@ -70,7 +79,7 @@ def test_blocks_without_diffusers_list_are_compiled_from_the_family_declaration(
 def test_the_setting_enters_the_key_only_when_on():
     from tasks.config import compose, resolve_paths
 
-    plan = {"family": "flux", "ids": {"denoiser": "d", "scheduler": "s"}, "items": []}
+    plan = a_plan(family="flux", ids={"denoiser": "d", "scheduler": "s"})
     off = inputs(resolve_paths(compose("train", [])[0]), plan, {}, {})
     on = inputs(resolve_paths(compose("train", ["train.compile=true"])[0]), plan, {}, {})
     # at its default the setting is left out, so every earlier LoRA keeps its key

@@ -8,7 +8,7 @@
 import torch
 
 from bench.gpu import TINY, build
-from tasks.models.base import on_pipeline_device
+from tasks.models.bases.adapter import on_pipeline_device
 
 
 class _Pipe:  # diffusers pipelines report where they compute as `_execution_device`

@@ -75,7 +75,7 @@ def test_edit_matrix_rows_and_samples(pairs, model):
     # no control dir yet: plain text-to-image training (Kontext's example's other mode; FLUX.2 without refs)
     _, _, _, lora0, _ = run_nodes(cfg(), store)
     plan, lat, txt, lora, smp = run_nodes(cfg(ctrl), store)
-    assert [len(it["controls"]) for it in plan["items"]] == [1, 1, 1, 1]
+    assert [len(it["controls"]) for it in plan.items] == [1, 1, 1, 1]
     assert (lat["computed"], txt["computed"]) == (4, 0)  # a control dir added: its latents only
     assert lora["key"] != lora0["key"]
     edited = np.asarray(Image.open(smp["samples"][0]))
@@ -104,11 +104,11 @@ def test_control_changes_the_loss(pairs, model):
     plan = validate.run(cfg, store)
     lat = cache_latents.run(cfg, plan, store)
     txt = cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan["model_dir"])
+    adapter = make_adapter(cfg["model"], plan.model_dir)
     den = adapter.load_denoiser()
     target = store.get_tensors(cache_latents.KIND, lat["items"]["img_00.png"])["latents"][None]
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
-    name = cache_text.caption_name("img_00.png", next(iter(cache_text.caption_texts_of(cfg)(plan["items"][0]))))
+    name = cache_text.caption_name("img_00.png", next(iter(cache_text.caption_texts_of(cfg)(plan.items[0]))))
     text = {k: v[None] for k, v in store.get_tensors(cache_text.KIND, txt["items"][name]).items()}
     scheduler = adapter.load_train_scheduler()
 
@@ -135,7 +135,7 @@ def test_bad_pairs_and_refusals(pairs):
     assert "2 image(s)" in str(err.value) and "img_01.png: no control image img_01" in str(err.value)
     assert "img_02.png: control image" in str(err.value) and "data.bad_files=skip" in str(err.value)
     plan = validate.run(_cfg(pairs, ctrl, "data.bad_files=skip"), store)
-    assert [it["name"] for it in plan["items"]] == ["img_00.png", "img_03.png"]
+    assert [it["name"] for it in plan.items] == ["img_00.png", "img_03.png"]
     assert any("takes no control image" in e for e in validate.config_errors(_cfg(pairs, ctrl, model="tiny_flux")))
     with pytest.raises(ConfigError, match="--i gives a control image"):
         validate.run(_cfg(pairs, model="tiny_flux"), store)
@@ -156,7 +156,7 @@ def test_lora_files_load_in_the_kontext_pipeline(pairs):
     control = Image.open(pairs / "ctrl" / "img_00.png").convert("RGB").resize((32, 32))
 
     def render(file):
-        pipe = FluxKontextPipeline.from_pretrained(plan["model_dir"])
+        pipe = FluxKontextPipeline.from_pretrained(plan.model_dir)
         if file:
             pipe.load_lora_weights(str(file))
         pipe.set_progress_bar_config(disable=True)

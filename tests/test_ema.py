@@ -79,7 +79,7 @@ def test_resume_is_exact_with_ema_and_the_ema_file_loads(tmp_path):
     from diffusers import DiffusionPipeline
 
     def lora_weights(lora_file):
-        pipe = DiffusionPipeline.from_pretrained(plan["model_dir"], use_safetensors=True)
+        pipe = DiffusionPipeline.from_pretrained(plan.model_dir, use_safetensors=True)
         pipe.load_lora_weights(lora_file)
         return {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "lora_B" in k}
 

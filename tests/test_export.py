@@ -26,12 +26,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tasks.training.export import kohya_metadata, save_kohya, to_kohya
-from tasks.models.tiny import build_tiny_flux, build_tiny_flux_kontext
-from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl
+from tasks.models.tiny.flux import build_tiny_flux, build_tiny_flux_kontext
+from tasks.models.tiny.sd3 import build_tiny_sd3
+from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl
 from tasks.models.flux2_dev import Flux2DevAdapter
 from tasks.models.flux2_klein import Flux2KleinAdapter
-from tasks.models.tiny_flux2_dev import build_tiny_flux2_dev
-from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage
+from tasks.models.tiny.flux2_dev import build_tiny_flux2_dev
+from tasks.models.tiny.flux2 import build_tiny_flux2
+from tasks.models.tiny.qwenimage import build_tiny_qwenimage
+from tasks.models.tiny.zimage import build_tiny_zimage
 from tasks.models.zimage import ZImageAdapter
 from tolerance import assert_close, render_sums, rounding
 from support import ALPHA, RANK, load_pipeline, pipeline_denoiser, render_64, render_peft_reference, trained_lora  # noqa: F401 (shared helpers, tests/support.py)
@@ -52,7 +55,7 @@ TARGETS = {
     "qwenimage": ["to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out",
      "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
     "flux2_klein": Flux2KleinAdapter.LORA_TARGETS,  # every block projection: all kohya name rules
-    "flux2_dev": Flux2DevAdapter.LORA_TARGETS,  # the same blocks (tasks/models/flux2.py), a guidance embedding more
+    "flux2_dev": Flux2DevAdapter.LORA_TARGETS,  # the same blocks (tasks/models/bases/flux2.py), a guidance embedding more
 }
 # Everything diffusers' kohya Flux loader handles at any width (see module docstring).
 FLUX_DIFFUSERS_TARGETS = (r"(transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tasks.models import FAMILIES, adapter_class
-from tasks.models.base import KohyaLayout
+from tasks.models.bases.adapter import Clips, Controls, KohyaLayout
 from tasks.training import export
 
 
@@ -38,3 +38,23 @@ def test_each_original_layout_is_one_the_writer_knows():
     assert set(layouts.values()) <= {None, "ldm", "flux", "flux2", "sd3", "zimage", "diffusers"}
     assert ORIGINAL_FAMILIES == tuple(f for f, v in layouts.items() if v)
     assert layouts["wan"] is None  # no released single-file writer: refused in one line (check_layout)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_declares_its_inputs(family):
+    """Clips and control images are declarations the shared code reads (validate, the caching nodes), not flags:
+    a video family declares its frame step and rate, an edit family its control images."""
+    cls = adapter_class(family)
+    assert isinstance(cls.controls, Controls) and cls.controls.most >= 0
+    assert cls.controls.most or not (cls.controls.required or cls.controls.seen_by_text or cls.controls.min_side)
+    assert cls.clips is None or (isinstance(cls.clips, Clips) and cls.clips.frame_step >= 1 and cls.clips.default_fps > 0)
+    assert cls.swap_blocks or family in ("sd15", "sdxl")  # the UNets have no block lists to swap
+    assert not any(hasattr(cls, old) for old in ("video", "frame_step", "default_fps", "max_controls",
+                                                  "min_control_side", "requires_controls", "text_sees_controls"))
+
+
+def test_the_registry_names_each_familys_tiny_builder_in_the_tiny_package():
+    for family, (adapter, builder) in FAMILIES.items():
+        assert adapter.split(":")[0] == f"tasks.models.{family}"  # one adapter per family: tasks/models/<family>.py
+        assert builder.startswith("tasks.models.tiny.") and builder.endswith(f":build_tiny_{family}") or \
+            family == "flux2_klein" and builder.endswith(":build_tiny_flux2")

@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from tasks.models.flux import FluxAdapter  # noqa: E402
-from tasks.models.tiny import build_tiny_flux  # noqa: E402
+from tasks.models.tiny.flux import build_tiny_flux  # noqa: E402
+from support import a_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,5 +59,5 @@ def test_only_flux_train_keys_change():
     # The family's own version enters the LoRA key (its bytes changed); the other families' keys stay.
     from tasks.training.train_key import _family_version
 
-    assert _family_version({"family": "flux"}) == {"family_version": "2"}
-    assert _family_version({"family": "sd3"}) == _family_version({"family": "sdxl"}) == {}
+    assert _family_version(a_plan(family="flux")) == {"family_version": "2"}
+    assert _family_version(a_plan(family="sd3")) == _family_version(a_plan(family="sdxl")) == {}

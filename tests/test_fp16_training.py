@@ -9,6 +9,7 @@ from tasks.config import compose, resolve_paths
 from tasks.training.train_key import inputs
 from tasks.training.train_setup import precision
 from tasks.validate import config_errors
+from support import a_plan
 
 
 def _cfg(*overrides):
@@ -37,6 +38,6 @@ def test_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_the_train_key_says_so_only_for_fp16_weights():
-    plan = {"family": "sdxl", "ids": {"denoiser": "d", "scheduler": "s"}, "items": []}
+    plan = a_plan(family="sdxl", ids={"denoiser": "d", "scheduler": "s"})
     assert inputs(_cfg("model=sdxl_base"), plan, {}, {})["loss_scaling"] == "fp16"
     assert "loss_scaling" not in inputs(_cfg("model=tiny_sdxl"), plan, {}, {})

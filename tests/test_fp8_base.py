@@ -17,11 +17,12 @@ from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
 from tasks.training.train_setup import prepare_denoiser
 from test_cli import REPO
+from families import image_families
 from support import run_cli
 from support import BF16, generator, one_image_inputs, one_step_loss, tiny_family  # noqa: F401 (shared helpers, tests/support.py)
 
 FP8 = torch.float8_e4m3fn
-FAMILIES = ["flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
+FAMILIES = image_families()  # every text-to-image family of the registry
 
 
 

@@ -19,6 +19,7 @@ from tasks import config as config_mod
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
 from tasks.validate import config_errors
+from tasks.models import FAMILIES
 from conftest import prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ SENSIBLE = {
     "train.min_snr_gamma": lambda v: v is None,  # the default family (Flux) refuses any gamma
     "train.ema_decay": lambda v: v is None or _fin(v) and 0 < v < 1,
     "model.dtype": _in("float32", "bfloat16", "float16"), "model.storage_dtype": _in(None, "float8_e4m3fn", "float8_e5m2"),
-    "model.family": _in("flux", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"), "model.seed": lambda v: 0 <= v < 2**64,
+    "model.family": _in(*FAMILIES), "model.seed": lambda v: 0 <= v < 2**64,
     "model.max_sequence_length": lambda v: 1 <= v <= 512,
     "data.resolution": lambda v: _fin(v) and 16 <= v <= 16384 and v % 16 == 0,
     "data.resolution_type": _in("pixels", "area"), "data.missing_caption": _in("error", "empty"),

@@ -23,7 +23,7 @@ import torch
 
 from tasks.data.clips import Video
 from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
-from tasks.models.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
+from tasks.models.tiny.hunyuan_video15 import build_tiny_hunyuan_video15
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Qwen2.5-VL tokens (tiny_hunyuan_video15.yaml's max_sequence_length); ByT5: min(256, L)
@@ -81,7 +81,7 @@ def test_build_is_deterministic_and_has_hunyuan_video15_geometry(model, tmp_path
     assert all((model / f).read_bytes() == (again / f).read_bytes() for f in files)  # same seed, same bytes
     pipe = _pipe(model)
     assert (pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial) == (4, 16)
-    assert (HunyuanVideo15Adapter.frame_step, HunyuanVideo15Adapter.size_multiple) == (4, 16)
+    assert (HunyuanVideo15Adapter.clips.frame_step, HunyuanVideo15Adapter.size_multiple) == (4, 16)
     assert pipe.transformer.config.in_channels == 2 * pipe.vae.config.latent_channels + 1  # noisy | cond | mask
     assert [type(pipe.text_encoder).__name__, type(pipe.tokenizer_2).__name__] == ["Qwen2_5_VLTextModel",
                                                                                     "ByT5Tokenizer"]
@@ -166,7 +166,7 @@ def test_sample_from_cached_text_is_the_pipelines_video(adapter, texts, model):
 def test_saved_lora_loads_with_load_lora_adapter_and_changes_the_output(adapter, texts, model, tmp_path):
     from peft.utils import get_peft_model_state_dict
 
-    from tasks.models.text_encoder_lora import peft_config
+    from tasks.models.lora_variants.text_encoder_lora import peft_config
 
     denoiser = _lora(adapter, lora_alpha=8, init_lora_weights="gaussian")
     optimizer = torch.optim.AdamW([p for p in denoiser.parameters() if p.requires_grad], lr=1e-2)

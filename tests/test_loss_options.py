@@ -11,9 +11,10 @@ from diffusers.training_utils import compute_snr
 
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
-from tasks.models.losses import ddpm_loss, elementwise, flow_loss, min_snr_weights, offset_noise
+from tasks.models.bases.losses import ddpm_loss, elementwise, flow_loss, min_snr_weights, offset_noise
 from tasks.store import Store
 from tolerance import approx, assert_close
+from support import a_plan
 
 NEW = ("train.noise_offset", "train.loss", "train.huber_c", "train.min_snr_gamma", "train.network", "train.rslora")
 L2 = {"loss": "l2", "huber_c": 0.1, "min_snr_gamma": None, "noise_offset": 0.0}
@@ -88,7 +89,7 @@ def test_options_refused_where_they_do_not_apply():
 
 
 def test_options_enter_the_key_only_when_they_take_effect():
-    plan = {"family": "sd15", "ids": {"denoiser": "d", "scheduler": "s"}, "items": []}
+    plan = a_plan(family="sd15", ids={"denoiser": "d", "scheduler": "s"})
     default = train.inputs(_cfg(), plan, {}, {})
     assert not set(NEW) & set(default)
     # the key a config without these settings (before this change) had

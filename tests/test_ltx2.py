@@ -19,7 +19,7 @@ import torch
 from tasks.config import ConfigError
 from tasks.data.clips import Video
 from tasks.models.ltx2 import LTX2Adapter
-from tasks.models.tiny_ltx2 import build_tiny_ltx2
+from tasks.models.tiny.ltx2 import build_tiny_ltx2
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Gemma tokens (tiny_ltx2.yaml's max_sequence_length)
@@ -54,7 +54,7 @@ def test_build_is_deterministic_and_has_ltx2_geometry(model, tmp_path):
     assert all((model / f).read_bytes() == (again / f).read_bytes() for f in files)  # same seed, same bytes
     pipe = LTX2Pipeline.from_pretrained(model, use_safetensors=True)
     assert (pipe.vae_temporal_compression_ratio, pipe.vae_spatial_compression_ratio) == (8, 32)
-    assert (LTX2Adapter.frame_step, LTX2Adapter.size_multiple) == (8, 32)
+    assert (LTX2Adapter.clips.frame_step, LTX2Adapter.size_multiple) == (8, 32)
     assert type(pipe.text_encoder).__name__ == "Gemma3ForConditionalGeneration"
     assert type(pipe.tokenizer).__name__ == "GemmaTokenizer" and pipe.tokenizer("a red").input_ids[0] == 2  # <bos>
 
@@ -144,7 +144,7 @@ def test_saved_lora_loads_into_the_pipeline_and_changes_the_transformer(adapter,
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from tasks.models.text_encoder_lora import peft_config
+    from tasks.models.lora_variants.text_encoder_lora import peft_config
 
     denoiser = adapter.load_denoiser()
     denoiser.requires_grad_(False)
@@ -196,7 +196,7 @@ def test_whole_dag_on_the_demo_clips(tmp_path):
     lat, txt = cache_latents.run(c, plan, store), cache_text.run(c, plan, store)
     stored = store.get_tensors(cache_latents.KIND, lat["items"]["red_circle_right.mp4"])
     assert stored["latents"].shape[1] == 2 and float(stored["fps"]) == 16.0  # 1 + (9 - 1) / 8 latent frames
-    assert float(store.get_tensors(cache_latents.KIND, lat["items"]["still.png"])["fps"]) == LTX2Adapter.default_fps
+    assert float(store.get_tensors(cache_latents.KIND, lat["items"]["still.png"])["fps"]) == LTX2Adapter.clips.default_fps
     lora = train.run(c, plan, store, lat["items"], txt["items"])
     smp = sample.run(c, plan, store, lora["key"], lora["lora"], txt["items"])
     art = publish.publish(c, plan, store, tmp_path / "run", lora, smp["samples"])

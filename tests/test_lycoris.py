@@ -26,12 +26,13 @@ from tasks import cache_latents, cache_text, publish, sample, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models import adapter_class
 from tasks.store import Store
-from tasks.models import lycoris
+from tasks.models.lora_variants import lycoris
 from tasks.training.export_lycoris import to_lycoris
 from test_export import model_dirs  # noqa: F401
+from families import image_families
 from tolerance import rounding
 
-FAMILIES = ["flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "flux2_klein", "flux2_dev"]
+FAMILIES = image_families()  # every text-to-image family of the registry
 _N = r"\.\d+\."
 _FLUX = (rf"transformer_blocks{_N}(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|norm1(_context)?\.linear"
          rf"|ff(_context)?\.(net\.(0\.proj|2)|linear_(in|out)))"
@@ -162,7 +163,7 @@ def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     assert exported and all(k.startswith("lycoris_") for k in exported)
     assert lycoris.file_network(lora["lora"]) == network
 
-    adapter = adapter_class(family)(plan["model_dir"])
+    adapter = adapter_class(family)(plan.model_dir)
     trained, back = adapter.load_denoiser(), adapter.load_denoiser()
     lycoris.apply_file(trained, lora["lora"])
     lycoris.apply_lycoris(back, files["lycoris"])

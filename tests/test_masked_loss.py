@@ -20,7 +20,7 @@ from tasks import cache_latents, cache_text, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data import masks
 from tasks.data.images import image_to_tensor_and_geometry
-from tasks.models.losses import ddpm_loss, flow_loss
+from tasks.models.bases.losses import ddpm_loss, flow_loss
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_every_family_trains_with_masks_and_a_mask_edit_recomputes_that_mask(fam
     store = Store(tmp_path / "store")
     base = [f"model=tiny_{family}", f"data.dir={data}"]
     plan, lat, txt, lora = _nodes(_cfg(tmp_path, *base, f"data.mask_dir={mdir}"), store)
-    assert all(it["mask_kind"] == "file" for it in plan["items"])
+    assert all(it["mask_kind"] == "file" for it in plan.items)
     assert lat["computed"] == 8 and sum(k.startswith(masks.PREFIX) for k in lat["items"]) == 4
     stored = store.get_tensors(cache_latents.KIND, lat["items"][masks.PREFIX + "img_00.png"])["mask"]
     assert stored.dtype == torch.uint8 and stored.shape == (1, 32, 32) and stored[..., :14].min() == 255  # bicubic: the edge column blends
@@ -165,8 +165,8 @@ def test_bad_masks_are_named_or_left_out(tmp_path):
     assert "3 image(s)" in text and "img_01.png: no mask img_01" in text and "data.bad_files=skip" in text
     assert "img_02.png: mask img_02.png is 10x10" in text and "img_03.png: cannot decode the mask" in text
     plan = validate.run(_cfg(tmp_path, f"data.dir={data}", f"data.mask_dir={mdir}", "data.bad_files=skip"), store)
-    assert [it["name"] for it in plan["items"]] == ["img_00.png"]
-    assert {f["file"] for f in plan["dataset"] if f["policy"] == "skipped"} >= {"img_01.png", "img_02.png", "img_03.png"}
+    assert [it["name"] for it in plan.items] == ["img_00.png"]
+    assert {f["file"] for f in plan.dataset if f["policy"] == "skipped"} >= {"img_01.png", "img_02.png", "img_03.png"}
     with pytest.raises(ConfigError, match="data.mask_dir=.*no such folder"):
         validate.run(_cfg(tmp_path, f"data.dir={data}", f"data.mask_dir={tmp_path / 'nope'}"), store)
     with pytest.raises(ConfigError, match="one mask per image"):

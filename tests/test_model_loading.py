@@ -81,7 +81,7 @@ def test_an_fp8_single_file_is_kept_as_stored(tmp_path):
     from tasks.lora_tools.transformer_layouts import to_original
     from diffusers import SD3Transformer2DModel
 
-    from tasks.models.stream_load import folder_entries, load_streamed
+    from tasks.models.loading.stream_load import folder_entries, load_streamed
     from tasks.training.base_loading import WeightLoading
 
     store = Store(tmp_path / "store")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from families import ALL, Family
+from families import Family, image_families
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.store import Store
@@ -33,7 +33,8 @@ def _train(store_root, *extra) -> dict:
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("family", ALL)
+# FLUX.1 Kontext without control images trains FLUX.1's transformer as flux does: the same run, left out
+@pytest.mark.parametrize("family", [f for f in image_families() if f != "flux_kontext"])
 def test_two_processes_match_one_at_the_same_global_batch(family, tmp_path):
     fam = Family(family, tmp_path)
     _, one = fam.train(*TWO)
@@ -55,7 +56,7 @@ def test_a_failing_process_fails_the_node_with_its_output(tmp_path):
     cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}", *STEPS, "train.num_processes=2"])[0])
     store = Store(tmp_path / "store")
     plan = validate.run(cfg, store)
-    keys = {it["name"]: "0" * 64 for it in plan["items"]}
+    keys = {it["name"]: "0" * 64 for it in plan.items}
     from tasks.training.distributed import launch_training
 
     out = tmp_path / "job"

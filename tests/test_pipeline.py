@@ -98,7 +98,7 @@ def test_nodes_run_as_plain_functions_without_prefect(tmp_path):
     cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}"])[0])
     store = Store(cfg["store"]["root"])
     plan = validate.run(cfg, store)
-    assert len(plan["items"]) == 12 and plan["size"] == [64, 64]
+    assert len(plan.items) == 12 and plan.size == [64, 64]
     first = cache_latents.run(cfg, plan, store)
     again = cache_latents.run(cfg, plan, store)
     assert (first["computed"], again["computed"], again["reused"]) == (12, 0, 12)

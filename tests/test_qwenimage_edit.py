@@ -56,13 +56,13 @@ def _cfg(root, *extra, dirs=("ctrl",)):
 def test_template_and_vision_tokens(pairs):
     store = Store(pairs / "store")
     plan = validate.run(_cfg(pairs), store)
-    adapter = make_adapter(_cfg(pairs)["model"], plan["model_dir"])
+    adapter = make_adapter(_cfg(pairs)["model"], plan.model_dir)
     pipe = adapter.load_text_encoders()
     # the real tokenizer makes the edit template's system turn 64 tokens, which the pipeline drops
     prefix = pipe.prompt_template_encode.split("{}")[0]
     assert len(pipe.tokenizer(prefix)["input_ids"]) == pipe.prompt_template_encode_start_idx == 64
     # a 384x384 condition image: 28x28 patches of 14 px, merged 2x2 -> 196 image tokens (Qwen2VLProcessor's rule)
-    proc = vision_text_processor(plan["model_dir"])
+    proc = vision_text_processor(plan.model_dir)
     out = proc(text=["Picture 1: <|vision_start|><|image_pad|><|vision_end|>x"], images=[Image.new("RGB", (384, 384))])
     assert out["image_grid_thw"].tolist() == [[1, 28, 28]]
     assert (out["input_ids"] == pipe.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum() == 196
@@ -120,7 +120,7 @@ def test_control_changes_the_loss(pairs):
     cfg = _cfg(pairs)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan["model_dir"])
+    adapter = make_adapter(cfg["model"], plan.model_dir)
     den = adapter.load_denoiser()
     target = store.get_tensors(cache_latents.KIND, lat["items"]["img_00.png"])["latents"][None]
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
@@ -162,8 +162,8 @@ def test_lora_files_load_in_the_edit_pipeline(pairs):
     control = Image.open(pairs / "ctrl" / "img_00.png").convert("RGB").resize((32, 32))
 
     def render(file):
-        pipe = QwenImageEditPlusPipeline.from_pretrained(plan["model_dir"], processor=None)
-        pipe.processor = vision_text_processor(plan["model_dir"])  # the real one needs torchvision
+        pipe = QwenImageEditPlusPipeline.from_pretrained(plan.model_dir, processor=None)
+        pipe.processor = vision_text_processor(plan.model_dir)  # the real one needs torchvision
         if file:
             pipe.load_lora_weights(str(file))
         pipe.set_progress_bar_config(disable=True)

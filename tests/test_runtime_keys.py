@@ -10,21 +10,26 @@ import torch
 
 from tasks import cache_latents, cache_text, runtime, sample, train
 from tasks.config import compose, resolve_paths
+from tasks.plan import Plan
 
-PLAN = {"family": "flux", "model_dir": None, "size": [64, 64], "ids": {"vae": "v", "text": "t", "denoiser": "d",
-                                                                   "scheduler": "s", "sample": "m"},
-        "items": [], "prompts": [{"line": 1, "prompt": "a", "negative": None, "width": None, "height": None,
-                                  "steps": None, "guidance": None, "true_cfg": None, "seed": None}]}
+
+PROMPTS = [{"line": 1, "prompt": "a", "negative": None, "width": None, "height": None, "steps": None, "guidance": None,
+            "true_cfg": None, "seed": None}]
 
 
 def _keys(tmp_path):
-    from tasks.models.tiny import build_tiny_flux
+    from tasks.models.tiny.flux import build_tiny_flux
 
-    PLAN["model_dir"] = PLAN["model_dir"] or str(build_tiny_flux(tmp_path / "m"))
+    model = tmp_path / "m"
+    if not (model / "model_index.json").is_file():
+        build_tiny_flux(model)
+    plan = Plan(family="flux", model_dir=str(model), size=[64, 64], items=[], prompts=PROMPTS, warnings=[],
+                ids={"vae": "v", "text": "t", "denoiser": "d", "scheduler": "s", "sample": "m"}, augmentation={},
+                dataset=[], dataset_subsets=[])
     cfg = resolve_paths(compose("train", [])[0])
     text = {"prompt:1": "p", "empty": "e"}
-    return {"latents": cache_latents.params(cfg, PLAN), "text": cache_text.params(cfg, PLAN),
-            "train": train.inputs(cfg, PLAN, {}, {}), "sample": sample.item_keys(cfg, PLAN, "l", text)}
+    return {"latents": cache_latents.params(cfg, plan), "text": cache_text.params(cfg, plan),
+            "train": train.inputs(cfg, plan, {}, {}), "sample": sample.item_keys(cfg, plan, "l", text)}
 
 
 def test_reference_runtime_keys_unchanged_cuda_and_versions_enter(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline  # noqa
 from diffusers.loaders.single_file_utils import infer_diffusers_model_type  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from ldm_convert import to_ldm_sd15, to_ldm_sdxl  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from tasks.lazy import HEAVY, LazyClass, lazy
+from tasks.models import FAMILIES
 from tasks.runtime import _GPU_DRIVERS
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_DRIVER = any(os.path.exists(p) for p in _GPU_DRIVERS)
 # Every module a no-op run can import (the tiny-model builders and the fp8 hooks load only to build or train)
 MODULES = ["flows.train", "flows.nodes", "flows.runner", "flows.explain", "tasks.training.export", "tasks.publish",
-           *(f"tasks.models.{m}" for m in ("flux", "flux2_dev", "flux2_klein", "sd15", "sdxl", "sd3", "zimage",
-                                           "qwenimage", "losses"))]
+           "tasks.models.bases.losses", *(ref.split(":")[0] for ref, _ in FAMILIES.values())]
 
 
 def _heavy_after(code: str, env: dict | None = None) -> list[str]:

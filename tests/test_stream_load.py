@@ -1,5 +1,5 @@
 """Issue 43: the train node streams the base in, storing each frozen weight low as it is read
-(tasks/models/stream_load.py, tasks/training/base_loading.py). For every family of the registry and every
+(tasks/models/loading/stream_load.py, tasks/training/base_loading.py). For every family of the registry and every
 `model.quantize`, the prepared denoiser equals the one from_pretrained-then-quantize made before, bit for bit:
 every parameter and buffer (a torchao tensor's inner tensors included), the LoRA's initial weights and the hooks.
 Bad files get one-line errors naming the file."""
@@ -12,7 +12,7 @@ import torch
 
 from tasks.config import ConfigError
 from tasks.models import FAMILIES, make_adapter, resolve_model
-from tasks.models.stream_load import folder_entries, load_streamed
+from tasks.models.loading.stream_load import folder_entries, load_streamed
 from tasks.store import Store
 from tasks.training import train_setup
 from tasks.training.base_loading import plan_loading

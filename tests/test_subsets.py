@@ -12,7 +12,7 @@ import torch
 
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
-from tasks.models.losses import ddpm_loss, flow_loss
+from tasks.models.bases.losses import ddpm_loss, flow_loss
 from tasks.store import Store
 from tolerance import approx
 
@@ -54,20 +54,20 @@ def _train(store_root, *overrides) -> dict:
 
 def _epoch_counts(plan: dict, batch_size: int = 1) -> Counter:
     """How often each item is drawn over the first epoch of train's sampling order."""
-    repeats = [it.get("repeats", 1) for it in plan["items"]]
-    groups = train.buckets_of([(4, 8, 8)] * len(plan["items"]), repeats)
+    repeats = [it.get("repeats", 1) for it in plan.items]
+    groups = train.buckets_of([(4, 8, 8)] * len(plan.items), repeats)
     per_epoch = -(-sum(repeats) // batch_size)
     drawn = [i for step in range(1, per_epoch + 1) for i in train.batch_at(step, groups, batch_size, 0)]
-    return Counter(plan["items"][i]["name"] for i in drawn)
+    return Counter(plan.items[i]["name"] for i in drawn)
 
 
 def test_kohya_folders_are_subsets_with_their_repeats(tmp_path):
     _, plan = _plan(tmp_path / "store", f"data.dir={_kohya(tmp_path / 'data')}")
-    assert plan["dataset_subsets"] == [
+    assert plan.dataset_subsets == [
         {"folder": str(tmp_path / "data" / "10_char"), "images": 2, "repeats": 10, "is_reg": False},
         {"folder": str(tmp_path / "data" / "1_style"), "images": 1, "repeats": 1, "is_reg": False}]
     # names as relative to data.dir; repeats only where not 1
-    assert [(it["name"], it.get("repeats")) for it in plan["items"]] == [
+    assert [(it["name"], it.get("repeats")) for it in plan.items] == [
         ("10_char/img_00.png", 10), ("10_char/img_01.png", 10), ("1_style/img_02.png", None)]
     assert _epoch_counts(plan, batch_size=2) == {"10_char/img_00.png": 10, "10_char/img_01.png": 10,
                                                  "1_style/img_02.png": 1}
@@ -77,17 +77,17 @@ def test_a_linked_folder_beside_kohya_folders_is_named(tmp_path):
     root = _kohya(tmp_path / "data")
     (root / "5_linked").symlink_to(root / "1_style")
     _, plan = _plan(tmp_path / "store", f"data.dir={root}")
-    assert [s["repeats"] for s in plan["dataset_subsets"]] == [10, 1]
-    assert "data: linked folder 5_linked/ in data.dir is not followed (its images are not trained)" in plan["warnings"]
+    assert [s["repeats"] for s in plan.dataset_subsets] == [10, 1]
+    assert "data: linked folder 5_linked/ in data.dir is not followed (its images are not trained)" in plan.warnings
 
 
 def test_mixed_layout_is_one_folder_with_a_warning(tmp_path):
     root = _kohya(tmp_path / "data")
     _copy(root / "extra", ["img_03"])  # images outside any N_name folder: not a kohya layout
     _, plan = _plan(tmp_path / "store", f"data.dir={root}")
-    assert plan["dataset_subsets"] == [{"folder": str(root), "images": 4, "repeats": 1, "is_reg": False}]
-    assert all("repeats" not in it for it in plan["items"])
-    assert any("kohya N_name folders (10_char, 1_style)" in w and "extra/" in w for w in plan["warnings"])
+    assert plan.dataset_subsets == [{"folder": str(root), "images": 4, "repeats": 1, "is_reg": False}]
+    assert all("repeats" not in it for it in plan.items)
+    assert any("kohya N_name folders (10_char, 1_style)" in w and "extra/" in w for w in plan.warnings)
 
 
 def test_subsets_repeats_change_the_sampling_counts_and_the_key(tmp_path):
@@ -95,9 +95,9 @@ def test_subsets_repeats_change_the_sampling_counts_and_the_key(tmp_path):
     (b / "img_02.caption").write_text("a caption from another extension")
     overrides = [f"data.subsets=[{{dir: {a}, repeats: 3}}, {{dir: {b}, caption_extension: .caption}}]"]
     cfg, plan = _plan(tmp_path / "store", *overrides)
-    assert [it["name"] for it in plan["items"]] == ["a/img_00.png", "a/img_01.png", "b/img_02.png"]
-    assert plan["items"][2]["caption"] == "a caption from another extension"
-    assert [s["repeats"] for s in plan["dataset_subsets"]] == [3, 1]
+    assert [it["name"] for it in plan.items] == ["a/img_00.png", "a/img_01.png", "b/img_02.png"]
+    assert plan.items[2]["caption"] == "a caption from another extension"
+    assert [s["repeats"] for s in plan.dataset_subsets] == [3, 1]
     assert _epoch_counts(plan) == {"a/img_00.png": 3, "a/img_01.png": 3, "b/img_02.png": 1}
     once = _plan(tmp_path / "store", f"data.subsets=[{{dir: {a}}}, {{dir: {b}, caption_extension: .caption}}]")
     assert _epoch_counts(once[1]) == {"a/img_00.png": 1, "a/img_01.png": 1, "b/img_02.png": 1}
@@ -111,8 +111,8 @@ def test_subsets_repeats_change_the_sampling_counts_and_the_key(tmp_path):
 
 def test_data_dir_alone_keeps_its_plan_and_train_key(tmp_path):
     cfg, plan = _plan(tmp_path / "store")
-    assert plan["dataset_subsets"] == [{"folder": str(DEMO), "images": 12, "repeats": 1, "is_reg": False}]
-    assert all(set(it) == {"name", "image", "image_digest", "caption"} for it in plan["items"])  # as before
+    assert plan.dataset_subsets == [{"folder": str(DEMO), "images": 12, "repeats": 1, "is_reg": False}]
+    assert all(set(it) == {"name", "image", "image_digest", "caption"} for it in plan.items)  # as before
     lk, tk = cache_latents.item_keys(cfg, plan), cache_text.item_keys(cfg, plan)
     old = _cfg(f"store.root={tmp_path / 'store'}")  # the config as it was before these settings existed
     for k in NEW:
@@ -122,7 +122,7 @@ def test_data_dir_alone_keeps_its_plan_and_train_key(tmp_path):
     assert not {"train.prior_loss_weight"} & set(train.inputs(_cfg("train.prior_loss_weight=0.5"), plan, lk, tk))
     # one entry of data.subsets is data.dir: the same items, the same keys
     same = _plan(tmp_path / "store", f"data.subsets=[{{dir: {DEMO}}}]")[1]
-    assert same["items"] == plan["items"]
+    assert same.items == plan.items
 
 
 def test_item_weights_on_a_known_input():
@@ -142,7 +142,7 @@ def test_reg_images_are_weighted_by_prior_loss_weight(tmp_path):
     assert len({zero["key"], one["key"], two["key"]}) == 3
     # same draws: twice the loss, to the rounding of the weighted mean over the batch's latent values
     cfg, plan = _plan(tmp_path / "s", reg)
-    shape = Store(tmp_path / "s").tensor_shapes(cache_latents.KIND, cache_latents.item_keys(cfg, plan)[plan["items"][0]["name"]])
+    shape = Store(tmp_path / "s").tensor_shapes(cache_latents.KIND, cache_latents.item_keys(cfg, plan)[plan.items[0]["name"]])
     assert two["losses"][0]["loss"] == approx(2 * one["losses"][0]["loss"], n=2 * math.prod(shape["latents"]))
     with pytest.raises(Exception):
         _cfg("train.prior_loss_weight=x")
@@ -152,11 +152,11 @@ def test_reg_images_are_weighted_by_prior_loss_weight(tmp_path):
 def test_flip_aug_caches_the_mirror_as_its_own_latent(tmp_path):
     store = tmp_path / "store"
     cfg, plan = _plan(store, "data.flip_aug=true")
-    assert len(plan["items"]) == 24 and plan["items"][12]["flip_of"] == plan["items"][0]["name"]
+    assert len(plan.items) == 24 and plan.items[12]["flip_of"] == plan.items[0]["name"]
     latents = cache_latents.run(cfg, plan, Store(store))
     assert latents["computed"] == 24
     assert cache_latents.run(cfg, plan, Store(store))["computed"] == 0
-    z = [Store(store).get_tensors("latents", latents["items"][it["name"]])["latents"] for it in plan["items"][::12]]
+    z = [Store(store).get_tensors("latents", latents["items"][it["name"]])["latents"] for it in plan.items[::12]]
     assert not torch.equal(z[0], z[1])
     plain_cfg, plain = _plan(store)
     assert cache_text.run(plain_cfg, plain, Store(store))["computed"] > 0

@@ -68,7 +68,7 @@ def test_keys_off_unchanged_on_with_encoders(sd15):
     cfg, plan = sd15["cfg"], sd15["plan"]
     off = {**cfg, "train": {**cfg["train"], "text_encoder_lr": None}}
     before = {**cfg, "train": {k: v for k, v in cfg["train"].items() if k != "text_encoder_lr"}}  # as before the key
-    latent_keys = {it["name"]: it["name"] for it in plan["items"]}  # stand-ins: only the keys' inputs matter here
+    latent_keys = {it["name"]: it["name"] for it in plan.items}  # stand-ins: only the keys' inputs matter here
     texts_off = cache_text.item_keys(off, plan)
     assert texts_off == cache_text.item_keys(before, plan) and any(n.startswith("caption:") for n in texts_off)
     assert train_key.inputs(off, plan, latent_keys, texts_off) == train_key.inputs(before, plan, latent_keys, texts_off)
@@ -77,7 +77,7 @@ def test_keys_off_unchanged_on_with_encoders(sd15):
     assert "train.text_encoder_lr" not in inputs_off and "text_encoders" not in inputs_off
 
     on = train_key.inputs(cfg, plan, latent_keys, {})
-    assert on["train.text_encoder_lr"] == 0.05 and on["text_encoders"] == plan["ids"]["text"]
+    assert on["train.text_encoder_lr"] == 0.05 and on["text_encoders"] == plan.ids["text"]
     # nothing is cached for training or sampling: cache_text has no item, and the report says why
     texts = sd15["texts"]
     assert texts["items"] == {} and texts["computed"] == 0 and cache_text.named_texts(plan, cfg) == {}
@@ -85,8 +85,8 @@ def test_keys_off_unchanged_on_with_encoders(sd15):
     assert entry["text_encoding"].startswith("live: train.text_encoder_lr trains the text encoders")
     assert "text_encoding" not in node_entry({**cache_text.run(off, plan, sd15["store"]), "seconds": 0.0}, None)
     # the sample node names each text it encodes (text + encoders) and the live encoding
-    inputs = sample.prompt_inputs(cfg, plan, {})[f"prompt:{plan['prompts'][0]['line']}"]
-    assert inputs["prompt"] == cache_text.text_key(cfg, plan, plan["prompts"][0]["prompt"])
+    inputs = sample.prompt_inputs(cfg, plan, {})[f"prompt:{plan.prompts[0]['line']}"]
+    assert inputs["prompt"] == cache_text.text_key(cfg, plan, plan.prompts[0]["prompt"])
     assert inputs["text_encoding"] == "live" and inputs["empty"] == cache_text.text_key(cfg, plan, "")
 
 
@@ -127,7 +127,7 @@ def _encode(pipe, text=PROMPT):
 
 def _pipe(plan, adapter_cls, lora=None):
     """The family's pipeline from the tiny model's folder, with `lora` (a file, or a dict of its tensors) loaded."""
-    pipe = adapter_cls.pipeline_cls.from_pretrained(plan["model_dir"], use_safetensors=True)
+    pipe = adapter_cls.pipeline_cls.from_pretrained(plan.model_dir, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(lora if isinstance(lora, dict) else str(lora))
@@ -177,9 +177,9 @@ def test_samples_are_rendered_with_the_trained_encoders(sd15):
     from tasks.models.sd15 import SD15Adapter
 
     plan, lora = sd15["plan"], sd15["lora"]
-    p = next(p for p in plan["prompts"] if not p["negative"] and not p["width"])
+    p = next(p for p in plan.prompts if not p["negative"] and not p["width"])
     s = sample.settings(sd15["cfg"], plan, p)
-    got = np.asarray(Image.open(sd15["samples"]["samples"][plan["prompts"].index(p)]))
+    got = np.asarray(Image.open(sd15["samples"]["samples"][plan.prompts.index(p)]))
 
     def render(lora_file):
         pipe = _pipe(plan, SD15Adapter, lora_file)

@@ -1,6 +1,5 @@
-"""Tests for the tiny offline SD3 / SDXL / SD1.5 pipelines (tasks/models/tiny_families.py), Z-Image,
-Qwen-Image, FLUX.2 [klein] (tasks/models/tiny_llm_families.py) and FLUX.2 [dev] (tiny_flux2_dev.py)."""
-
+"""Tests for the tiny offline pipelines of tasks/models/tiny/: SD3 (sd3.py), SDXL / SD1.5 (unet.py), Z-Image
+(zimage.py), Qwen-Image (qwenimage.py), FLUX.2 [klein] (flux2.py) and FLUX.2 [dev] (flux2_dev.py)."""
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -17,9 +16,12 @@ from diffusers.utils import convert_state_dict_to_diffusers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from tasks.models.tiny_families import build_tiny_sd3, build_tiny_sd15, build_tiny_sdxl  # noqa: E402
-from tasks.models.tiny_flux2_dev import build_tiny_flux2_dev  # noqa: E402
-from tasks.models.tiny_llm_families import build_tiny_flux2, build_tiny_qwenimage, build_tiny_zimage  # noqa: E402
+from tasks.models.tiny.flux2 import build_tiny_flux2  # noqa: E402
+from tasks.models.tiny.flux2_dev import build_tiny_flux2_dev  # noqa: E402
+from tasks.models.tiny.qwenimage import build_tiny_qwenimage  # noqa: E402
+from tasks.models.tiny.sd3 import build_tiny_sd3  # noqa: E402
+from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.zimage import build_tiny_zimage  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"
 BASE_KWARGS = dict(height=64, width=64, num_inference_steps=2, output_type="pil")

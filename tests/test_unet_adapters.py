@@ -1,4 +1,4 @@
-"""SDXL / SD1.5 adapters (tasks/models/sdxl.py, sd15.py on tasks/models/unet.py) against diffusers' own
+"""SDXL / SD1.5 adapters (tasks/models/sdxl.py, sd15.py on tasks/models/bases/unet.py) against diffusers' own
 pipelines on the tiny models: cached-text sampling renders what the pipeline renders from strings, the
 loss is seeded, follows the scheduler's prediction type and trains only the LoRA, and the saved file
 loads into the pipeline with its trained alpha."""
@@ -16,7 +16,7 @@ from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 from tasks.models.sd15 import SD15Adapter  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
-from tasks.models.tiny_families import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
 from tolerance import assert_close, sums
 

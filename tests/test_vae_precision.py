@@ -15,9 +15,10 @@ import torch  # noqa: E402
 from tasks import cache_latents, validate  # noqa: E402
 from tasks.config import ConfigError, compose, resolve_paths  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
-from tasks.models.tiny_families import build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.unet import build_tiny_sdxl  # noqa: E402
 from tasks.store import Store  # noqa: E402
 from tolerance import assert_close
+from support import a_plan
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_vae_compute_dtype_is_in_the_latent_key(tmp_path):
     def params(dtype):
         cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}", "model=tiny_sdxl",
                                               f"model.dtype={dtype}"])[0])
-        plan = {"family": "sdxl", "model_dir": str(tiny_dir), "ids": {"vae": "v"}, "size": [64, 64]}
+        plan = a_plan(family="sdxl", model_dir=str(tiny_dir), ids={"vae": "v"})
         return cache_latents.params(cfg, plan)
 
     tiny_dir = build_tiny_sdxl(tmp_path / "m")
@@ -72,7 +73,7 @@ def test_non_finite_latents_are_reported_not_cached(tmp_path, monkeypatch):
     cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}"])[0])
     store = Store(tmp_path / "store")
     plan = validate.run(cfg, store)
-    bad = plan["items"][3]["name"]
+    bad = plan.items[3]["name"]
     original, calls = FluxAdapter.encode_latents, []
 
     def nan_once(self, vae, pixels):

@@ -3,6 +3,7 @@ never trained), scored every train.validate_every_n_steps at fixed draws; in the
 the sweep summary. validate_every_n_steps changes no weight and is not in the key."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,9 +57,9 @@ def _plan(store_root, *overrides):
 def test_keys_held_out_items_cached_not_drawn(tmp_path):
     cfg0, plan0, _, lat0, txt0 = _plan(tmp_path / "s")
     cfg, plan, _, lat, txt = _plan(tmp_path / "s", "data.validation_split=0.25")
-    held = plan["validation_items"]
-    assert "validation_items" not in plan0 and len(held) == 3
-    assert set(lat) == {it["name"] for it in plan["items"]} == set(lat0) and lat == lat0  # all cached, same keys
+    held = plan.validation_items
+    assert "validation_items" not in plan0.stored() and len(held) == 3  # the stored plan as it was
+    assert set(lat) == {it["name"] for it in plan.items} == set(lat0) and lat == lat0  # all cached, same keys
     off, on = train.inputs(cfg0, plan0, lat0, txt0), train.inputs(cfg, plan, lat, txt)
     assert "validation" not in off and not any("validat" in k for k in off)  # the defaults: keys as they were
     assert train.key_of(off) != train.key_of(on) and set(on["validation"]["items"]) == set(held)
@@ -67,10 +68,10 @@ def test_keys_held_out_items_cached_not_drawn(tmp_path):
                      "train.validate_every_n_steps=3")
     assert train.key_of(train.inputs(cfg_every, plan, lat, txt)) == train.key_of(on)  # changes no weight
     # batch_at never draws a held-out item
-    repeats = [0 if it["name"] in held else 1 for it in plan["items"]]
-    groups = train.buckets_of([(4, 8, 8)] * len(plan["items"]), repeats)
-    drawn = {plan["items"][i]["name"] for step in range(1, 13) for i in train.batch_at(step, groups, 2, 0)}
-    assert drawn == {it["name"] for it in plan["items"]} - set(held)
+    repeats = [0 if it["name"] in held else 1 for it in plan.items]
+    groups = train.buckets_of([(4, 8, 8)] * len(plan.items), repeats)
+    drawn = {plan.items[i]["name"] for step in range(1, 13) for i in train.batch_at(step, groups, 2, 0)}
+    assert drawn == {it["name"] for it in plan.items} - set(held)
 
 
 def _train(store_root, *overrides) -> dict:
@@ -148,15 +149,15 @@ def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
 
     cfg, plan, store, lat, txt = _plan(tmp_path / "s", "data.validation_split=0.25", "train.max_steps=3")
     out = train.run(cfg, plan, store, lat, txt)
-    adapter = make_adapter(cfg["model"], plan["model_dir"])
+    adapter = make_adapter(cfg["model"], plan.model_dir)
     denoiser, named = prepare_denoiser(adapter, cfg)
     trajectory = train.trajectory_key(train.inputs(cfg, plan, lat, txt), cfg["train"])
     stored = store.get_tensors(KIND, checkpoint_key(trajectory, 3))
     for name, p in named.items():
         p.data.copy_(stored[f"lora/{name}"])
     denoiser.train()  # as in the training loop
-    held = plan["validation_items"]
-    texts = Captions(cfg, {**plan, "items": [it for n in held for it in plan["items"] if it["name"] == n]},
+    held = plan.validation_items
+    texts = Captions(cfg, dataclasses.replace(plan, items=[it for n in held for it in plan.items if it["name"] == n]),
                             store, adapter, txt)
     value = validation.score(adapter, denoiser, make_accelerator(precision(cfg)), held,
                              Latents(store, [lat[n] for n in held]), texts, cfg["train"],

@@ -65,11 +65,11 @@ def _cfg(root, *extra, model="tiny_wan"):
 def test_plan_frames_buckets_and_latent_shapes(clips):
     cfg, store = _cfg(clips), Store(clips / "store")
     plan = validate.run(cfg, store)
-    items = {it["name"]: it for it in plan["items"]}
+    items = {it["name"]: it for it in plan.items}
     assert items["red.mp4"]["clip"] == {"frames": 9, "fps": float(FPS)}  # data.frames of its 12
     assert items["green.mp4"]["clip"] == {"frames": 5, "fps": float(FPS)}  # 6 frames: the 1 + 4k below
     assert "clip" not in items["still.png"]
-    assert plan["video"] == {"frames": 9, "fps": 16.0}  # samples: data.frames at Wan's native rate
+    assert plan.video == {"frames": 9, "fps": 16.0}  # samples: data.frames at Wan's native rate
     lat = cache_latents.run(cfg, plan, store)
     shapes = {n: tuple(store.tensor_shapes(cache_latents.KIND, k)["latents"]) for n, k in lat["items"].items()}
     # Wan's VAE: 16 channels, 1 + (F - 1) / 4 latent frames, /8 in space
@@ -77,7 +77,7 @@ def test_plan_frames_buckets_and_latent_shapes(clips):
     # the latent is the VAE's of the decoded frames (normalised per channel), not of anything else
     from tasks.models import make_adapter
 
-    adapter = make_adapter(cfg["model"], Path(plan["model_dir"]))
+    adapter = make_adapter(cfg["model"], Path(plan.model_dir))
     # 40x40 frames: covering 32x32 is a plain bicubic resize (PIL's, as the image path), no crop
     frames = [Image.fromarray(f).resize((32, 32), Image.Resampling.BICUBIC)
               for f in read_frames(clips / "data" / "red.mp4", 9, FPS)]
@@ -91,7 +91,7 @@ def test_plan_frames_buckets_and_latent_shapes(clips):
 def test_fps_resamples_and_is_in_the_key(clips):
     store = Store(clips / "store")
     plan = validate.run(_cfg(clips, "data.fps=4"), store)
-    red = next(it for it in plan["items"] if it["name"] == "red.mp4")
+    red = next(it for it in plan.items if it["name"] == "red.mp4")
     assert red["clip"] == {"frames": 5, "fps": 4.0}  # 12 frames at 8 fps = 1.5 s: 6 at 4 fps -> 5
     keys = cache_latents.item_keys(_cfg(clips, "data.fps=4"), plan)
     keys8 = cache_latents.item_keys(_cfg(clips), validate.run(_cfg(clips), store))
@@ -156,7 +156,7 @@ def test_lora_files_load_in_wanpipeline_with_the_same_delta(clips):
     # reads and ComfyUI maps by model_lora_keys_unet's `lora_unet_<its Wan model key, dots as _>`
     assert names[:10] == [f"lora_unet_blocks_0_{m}" for m in ("cross_attn_k", "cross_attn_o", "cross_attn_q",
                           "cross_attn_v", "ffn_0", "ffn_2", "self_attn_k", "self_attn_o", "self_attn_q", "self_attn_v")]
-    pipe = WanPipeline.from_pretrained(plan["model_dir"], use_safetensors=True)
+    pipe = WanPipeline.from_pretrained(plan.model_dir, use_safetensors=True)
     for name, file in files.items():
         pipe.load_lora_weights(str(file), adapter_name=name)
     sd = pipe.transformer.state_dict()
@@ -172,14 +172,14 @@ def test_broken_clip_is_reported_not_raised(clips):
     with pytest.raises(DatasetError, match=r"bad\.mp4: cannot decode video"):
         validate.run(_cfg(clips), Store(clips / "store"))
     plan = validate.run(_cfg(clips, "data.bad_files=skip"), Store(clips / "store"))
-    assert "bad.mp4" not in {it["name"] for it in plan["items"]}
-    assert any(f["file"] == "bad.mp4" and f["policy"] == "skipped" for f in plan["dataset"])
+    assert "bad.mp4" not in {it["name"] for it in plan.items}
+    assert any(f["file"] == "bad.mp4" and f["policy"] == "skipped" for f in plan.dataset)
 
 
 def test_image_family_notes_clips_and_trains_the_images(clips):
     plan = validate.run(_cfg(clips, model="tiny_flux"), Store(clips / "store"))
-    assert [it["name"] for it in plan["items"]] == ["still.png"]
-    assert {f["file"]: f["policy"] for f in plan["dataset"]} == {"green.mp4": "ignored", "red.mp4": "ignored"}
+    assert [it["name"] for it in plan.items] == ["still.png"]
+    assert {f["file"]: f["policy"] for f in plan.dataset} == {"green.mp4": "ignored", "red.mp4": "ignored"}
 
 
 @pytest.mark.parametrize("override, says", [
@@ -251,7 +251,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     from test_comfyui_keys import REL
     from support import comfyui_merge
 
-    from tasks.models.tiny_video import build_tiny_wan
+    from tasks.models.tiny.wan import build_tiny_wan
     from tasks.models.wan import WanAdapter
     from tasks.training.export import to_kohya
     from tasks.training.export_comfyui import comfyui_loads_kohya

@@ -49,7 +49,7 @@ def _cfg(root, *extra):
 def test_expert_draws_keep_to_its_side_of_the_boundary(root, expert):
     cfg = _cfg(root, f"model.expert={expert}")
     plan = validate.run(cfg, Store(root / "store"))
-    adapter = make_adapter(cfg["model"], Path(plan["model_dir"]))
+    adapter = make_adapter(cfg["model"], Path(plan.model_dir))
     assert adapter.boundary == 875.0 and adapter.denoiser_subfolder == {"high": "transformer", "low": "transformer_2"}[expert]
     scheduler = adapter.load_train_scheduler()
     latents = torch.zeros(64, 16, 3, 4, 4)
@@ -72,14 +72,14 @@ def test_expert_lora_loads_into_its_transformer_only(root, expert):
     lora = train.run(cfg, plan, store, lat["items"], txt["items"])
     mine, other = ("transformer", "transformer_2") if expert == "high" else ("transformer_2", "transformer")
     for file in (publish.diffusers_file(store, lora), publish.kohya_file(cfg, plan, store, lora)):
-        pipe = WanPipeline.from_pretrained(plan["model_dir"], use_safetensors=True)
+        pipe = WanPipeline.from_pretrained(plan.model_dir, use_safetensors=True)
         before = {n: p.clone() for n, p in getattr(pipe, other).state_dict().items()}
         pipe.load_lora_weights(str(file), **({"load_into_transformer_2": True} if expert == "low" else {}))
         assert any("lora_A" in n for n in getattr(pipe, mine).state_dict())
         after = getattr(pipe, other).state_dict()
         assert not any("lora_A" in n for n in after) and all(torch.equal(before[n], after[n]) for n in before)
     # the sampler (samples during and after training) puts the LoRA where the file's expert is
-    pipe = make_adapter(cfg["model"], Path(plan["model_dir"])).load_sampler(Path(lora["lora"]))
+    pipe = make_adapter(cfg["model"], Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
     assert any("lora_A" in n for n in getattr(pipe, mine).state_dict())
     assert not any("lora_A" in n for n in getattr(pipe, other).state_dict())
 

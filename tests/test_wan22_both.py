@@ -21,7 +21,7 @@ from tests.test_wan22 import _cfg, root  # noqa: F401 (the fixture: a clip and a
 
 def _adapter(cfg, store):
     plan = validate.run(cfg, store)
-    return make_adapter(cfg["model"], Path(plan["model_dir"])), plan
+    return make_adapter(cfg["model"], Path(plan.model_dir)), plan
 
 
 def test_low_expert_trains_on_transformer_2(root):
@@ -29,8 +29,8 @@ def test_low_expert_trains_on_transformer_2(root):
 
     adapter, plan = _adapter(_cfg(root, "model.expert=low"), Store(root / "store"))
     got = adapter.load_denoiser().state_dict()
-    want = WanTransformer3DModel.from_pretrained(plan["model_dir"], subfolder="transformer_2").state_dict()
-    high = WanTransformer3DModel.from_pretrained(plan["model_dir"], subfolder="transformer").state_dict()
+    want = WanTransformer3DModel.from_pretrained(plan.model_dir, subfolder="transformer_2").state_dict()
+    high = WanTransformer3DModel.from_pretrained(plan.model_dir, subfolder="transformer").state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert not all(torch.equal(got[k], high[k]) for k in high)  # the tiny experts differ (seeds 2 and 3)
 
@@ -82,14 +82,14 @@ def test_both_trains_and_loads_into_both_experts(root):
     assert sd and all(k.startswith("transformer.blocks.") for k in sd)  # one expert's layout, loaded twice
     assert any(v.abs().sum() > 0 for k, v in sd.items() if "lora_B" in k)  # trained
     for f in (file, publish.kohya_file(cfg, plan, store, lora)):
-        pipe = WanPipeline.from_pretrained(plan["model_dir"], use_safetensors=True)
+        pipe = WanPipeline.from_pretrained(plan.model_dir, use_safetensors=True)
         pipe.load_lora_weights(str(f))
         pipe.load_lora_weights(str(f), load_into_transformer_2=True)
         a, b = pipe.transformer.state_dict(), pipe.transformer_2.state_dict()
         loaded = [k for k in a if "lora_" in k]
         assert loaded and all(torch.equal(a[k], b[k]) for k in loaded)
     # the sampler puts the LoRA into both experts, the same weights as the file
-    pipe = make_adapter(cfg["model"], Path(plan["model_dir"])).load_sampler(Path(lora["lora"]))
+    pipe = make_adapter(cfg["model"], Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
     for expert in (pipe.transformer, pipe.transformer_2):
         mine = {re.sub(r"\.default(_\d+)?\.", ".", k): v for k, v in expert.state_dict().items() if "lora_" in k}
         assert all(torch.equal(mine[k.removeprefix("transformer.")], v) for k, v in sd.items())

@@ -27,7 +27,7 @@ def item_name(name: str, k: int) -> str:
 
 
 def errors(dc: dict, family: str, adapter_cls) -> list[str]:
-    dirs, max_controls = list(dc.get("control_dirs") or []), adapter_cls.max_controls
+    dirs, max_controls = list(dc.get("control_dirs") or []), adapter_cls.controls.most
     if dirs and not max_controls:
         return [f"data.control_dirs: model.family={family} takes no control image; an edit family does "
                 "(tiny_flux_kontext, tiny_qwenimage_edit, the flux2 models): set data.control_dirs=[] or pick one"]
@@ -35,10 +35,10 @@ def errors(dc: dict, family: str, adapter_cls) -> list[str]:
         return [f"data.control_dirs has {len(dirs)} folders; model.family={family} takes at most {max_controls} "
                 "control image(s) per sample"]
     out = []
-    if not dirs and adapter_cls.requires_controls:
+    if not dirs and adapter_cls.controls.required:
         out.append(f"model.family={family} edits an image: set data.control_dirs=[DIR] (control images by the "
                    "targets' stems)")
-    if dc.get("flip_aug") and adapter_cls.text_sees_controls:  # a twin's text would need its mirrored controls
+    if dc.get("flip_aug") and adapter_cls.controls.seen_by_text:  # a twin's text would need its mirrored controls
         out.append(f"data.flip_aug with model.family={family}: its prompt embedding sees the control image, which "
                    "a flip would change; set data.flip_aug=false")
     return out
@@ -99,21 +99,22 @@ def prompt_images(p, prompts_file) -> dict:
 def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str]:
     """What is wrong with the sample prompts' --i images for this family (none, too many, too small)."""
     out, family, sc = [], cfg["model"]["family"], cfg["sample"]
-    if adapter_cls.requires_controls:
+    takes = adapter_cls.controls
+    if takes.required:
         out += [f"sample.prompts_file={sc['prompts_file']}:{p['line']}: model.family={family} edits an image: give "
                 "it one with --i PATH" for p in prompts if not p.get("images")]
     for p in (p for p in prompts if p.get("images")):
         where = f"sample.prompts_file={sc['prompts_file']}:{p['line']}: --i"
         w, h = p["width"] or sc["width"] or size[0], p["height"] or sc["height"] or size[1]
-        if not adapter_cls.max_controls:
+        if not takes.most:
             out.append(f"{where} gives a control image, which model.family={family} does not take; remove --i or "
                        "train an edit family")
-        elif len(p["images"]) > adapter_cls.max_controls:
-            out.append(f"{where}: {len(p['images'])} images; model.family={family} takes {adapter_cls.max_controls}")
-        elif min(w, h) < adapter_cls.min_control_side:  # FLUX.2's image processor refuses smaller references
-            out.append(f"{where}: the control is fitted to the sample's {w}x{h}, under the {adapter_cls.min_control_side}"
+        elif len(p["images"]) > takes.most:
+            out.append(f"{where}: {len(p['images'])} images; model.family={family} takes {takes.most}")
+        elif min(w, h) < takes.min_side:  # FLUX.2's image processor refuses smaller references
+            out.append(f"{where}: the control is fitted to the sample's {w}x{h}, under the {takes.min_side}"
                        f" px a side model.family={family} takes; use --w/--h or sample.width/height of "
-                       f"{adapter_cls.min_control_side} or more")
+                       f"{takes.min_side} or more")
     return out
 
 

@@ -14,23 +14,23 @@ from tasks.data.clips import ClipInfo, vae_frames
 def errors(cfg: dict, adapter_cls) -> list[str]:
     """Config errors of data.frames / data.fps, the smallest side a video family renders, and what a video
     family does not train yet."""
-    dc, family, video, frame_step = cfg["data"], cfg["model"]["family"], adapter_cls.video, adapter_cls.frame_step
+    dc, family, clips = cfg["data"], cfg["model"]["family"], adapter_cls.clips
     frames, fps, out = dc.get("frames", 17), dc.get("fps"), []
     if not isinstance(frames, int) or frames < 1:
         out.append(f"data.frames={frames!r}: frames per clip sample, 1 or more (e.g. 17)")
-    elif video and frames != vae_frames(frames, frame_step):
-        lo = vae_frames(frames, frame_step)
+    elif clips and frames != vae_frames(frames, clips.frame_step):
+        lo, frame_step = vae_frames(frames, clips.frame_step), clips.frame_step
         out.append(f"data.frames={frames}: {family}'s video VAE takes 1 + {frame_step}k frames; use data.frames={lo} "
                    f"or data.frames={lo + frame_step}")
     if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps <= 240):
         out.append(f"data.fps={fps!r}: the rate clips are resampled to, in frames per second (e.g. 16), or null "
                    "for each clip's own rate")
-    if video:
+    if clips:
         for key, on in (("mask_dir", dc.get("mask_dir")), ("alpha_mask", dc.get("alpha_mask")),
                         ("control_dirs", dc.get("control_dirs"))):
             if on:
                 out.append(f"data.{key}: not available for video families yet ({family}); drop it to train clips")
-        side = getattr(adapter_cls, "min_side", 0)
+        side = clips.min_side
         if side and dc.get("resolution_type") == "pixels" and dc.get("resolution", side) < side:
             out.append(f"data.resolution={dc['resolution']:g}: {family} renders sides of {side} px or more (its "
                        f"VAE decoder); use data.resolution={side} or more")
@@ -41,15 +41,16 @@ def errors(cfg: dict, adapter_cls) -> list[str]:
     return out
 
 
-def attach(dc: dict, plan_items: list[dict], items: list, frame_step: int) -> None:
+def attach(dc: dict, plan_items: list[dict], items: list, clips) -> None:
     """Each clip's plan entry gains `clip`: {frames, fps} (what its latent is encoded from, in its key);
-    `items` are the dataset items beside their entries (tasks.data.dataset.Item, with .clip and .size)."""
+    `items` are the dataset items beside their entries (tasks.data.dataset.Item, with .clip and .size); `clips`:
+    the family's tasks.models.bases.adapter.Clips (a dataset holds clips only for a video family)."""
     for entry, item in zip(plan_items, items):
         if item.clip is not None:
             frames, rate, span = item.clip
             info = ClipInfo(int(frames), float(rate), *item.size, float(span))
             fps = float(dc["fps"]) if dc.get("fps") else float(rate)
-            entry["clip"] = {"frames": info.train_frames(dc["frames"], dc.get("fps"), frame_step), "fps": fps}
+            entry["clip"] = {"frames": info.train_frames(dc["frames"], dc.get("fps"), clips.frame_step), "fps": fps}
 
 
 def frames_of(entry: dict) -> int:

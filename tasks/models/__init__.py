@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tasks.config import ConfigError
 from tasks.store.hashing import digest_tree, key_of
-from tasks.models.base import FamilyAdapter
+from tasks.models.bases.adapter import FamilyAdapter
 from tasks.store import Store
 
 # Bump when the tiny builder changes what it writes: the tiny model's store key includes it.
@@ -19,22 +19,22 @@ SINGLE_FILE_VERSION = "1"
 
 # family -> (adapter class, tiny builder), as "module:name" so a family's heavy imports load only when used.
 FAMILIES = {
-    "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny:build_tiny_flux"),
-    "flux_kontext": ("tasks.models.flux_kontext:FluxKontextAdapter", "tasks.models.tiny:build_tiny_flux_kontext"),
-    "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny_families:build_tiny_sd3"),
-    "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny_families:build_tiny_sdxl"),
-    "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny_families:build_tiny_sd15"),
-    "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny_llm_families:build_tiny_zimage"),
-    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny_llm_families:build_tiny_qwenimage"),
+    "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny.flux:build_tiny_flux"),
+    "flux_kontext": ("tasks.models.flux_kontext:FluxKontextAdapter", "tasks.models.tiny.flux:build_tiny_flux_kontext"),
+    "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny.sd3:build_tiny_sd3"),
+    "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny.unet:build_tiny_sdxl"),
+    "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny.unet:build_tiny_sd15"),
+    "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny.zimage:build_tiny_zimage"),
+    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny.qwenimage:build_tiny_qwenimage"),
     "qwenimage_edit": ("tasks.models.qwenimage_edit:QwenImageEditAdapter",
-                       "tasks.models.tiny_qwenimage_edit:build_tiny_qwenimage_edit"),
-    "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny_llm_families:build_tiny_flux2"),
-    "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny_flux2_dev:build_tiny_flux2_dev"),
-    "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny_video:build_tiny_wan"),
-    "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny_video:build_tiny_wan22"),
-    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny_ltx2:build_tiny_ltx2"),
+                       "tasks.models.tiny.qwenimage_edit:build_tiny_qwenimage_edit"),
+    "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny.flux2:build_tiny_flux2"),
+    "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny.flux2_dev:build_tiny_flux2_dev"),
+    "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny.wan:build_tiny_wan"),
+    "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny.wan:build_tiny_wan22"),
+    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.ltx2:build_tiny_ltx2"),
     "hunyuan_video15": ("tasks.models.hunyuan_video15:HunyuanVideo15Adapter",
-                        "tasks.models.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
+                        "tasks.models.tiny.hunyuan_video15:build_tiny_hunyuan_video15"),
 }
 
 
@@ -105,7 +105,7 @@ def _from_single_file(model_cfg: dict, file: Path, store: Store) -> Path:
                           "lacks), e.g. model.config=black-forest-labs/FLUX.1-dev")
     config_dir = _diffusers_folder(model_cfg["config"], "model.config")
     family, dtype = model_cfg["family"], model_cfg["dtype"]
-    from tasks.models.fp8_single_file import holds_fp8
+    from tasks.models.loading.fp8_single_file import holds_fp8
 
     # an fp8 transformer file is kept as stored (fp8_single_file.py): another folder than the cast one
     key = key_of({"single_file": store.file_digest(file), "config": digest_tree(config_dir, digest=store.file_digest),

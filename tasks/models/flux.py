@@ -5,8 +5,8 @@ import logging
 from types import SimpleNamespace
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import BLOCK as _B, SINGLE as _S, KohyaLayout
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import BLOCK as _B, SINGLE as _S, KohyaLayout
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")

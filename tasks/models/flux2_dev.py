@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from tasks.lazy import LazyClass, lazy
-from tasks.models.base import KohyaLayout
-from tasks.models.flux2 import KOHYA_RULES, TEXT_PARTS, Flux2Adapter
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.bases.flux2 import KOHYA_RULES, TEXT_PARTS, Flux2Adapter
 
 diffusers = lazy("diffusers")
 transformers = lazy("transformers")

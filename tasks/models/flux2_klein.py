@@ -3,8 +3,8 @@ stacked), real CFG. Follows diffusers' Flux2KleinPipeline; what it shares with [
 from __future__ import annotations
 
 from tasks.lazy import LazyClass
-from tasks.models.base import KohyaLayout
-from tasks.models.flux2 import KOHYA_RULES, Flux2Adapter
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.bases.flux2 import KOHYA_RULES, Flux2Adapter
 
 
 class Flux2KleinAdapter(Flux2Adapter):

@@ -7,7 +7,8 @@ item trains as plain Flux (the example's text-to-image mode)."""
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.bases.adapter import Controls
+from tasks.models.bases.flow_matching import noise_latents, weighted_loss
 from tasks.models.flux import FluxAdapter
 
 torch = lazy("torch")
@@ -18,7 +19,7 @@ class FluxKontextAdapter(FluxAdapter):
     family = "flux_kontext"
     # FLUX.1's transformer: FLUX.1's names and version (its kohya file loads where FLUX.1's does)
     pipeline_cls = LazyClass("diffusers", "FluxKontextPipeline")
-    max_controls = 1  # Kontext conditions on one image
+    controls = Controls(most=1)  # Kontext conditions on one image
 
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         control = text.get("control_latents")

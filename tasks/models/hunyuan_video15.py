@@ -40,9 +40,9 @@ from PIL import Image
 
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import BLOCK, KohyaLayout, load_lora_file, on_pipeline_device
+from tasks.models.bases.adapter import BLOCK, Clips, KohyaLayout, load_lora_file, on_pipeline_device
 from tasks.models.flux import KOHYA_RULES as FLUX1_RULES
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -61,9 +61,9 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     # (no single blocks; its embedders are no LoRA targets). musubi-tuner's networks.lora_hv_1_5 keeps q/k/v apart
     kohya = KohyaLayout("networks.lora_hv_1_5", "hunyuan_video_1_5",
                         rules=tuple(r for r in FLUX1_RULES if r[0].startswith(BLOCK)))
-    video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
-    frame_step = 4  # the VAE's temporal factor (pipeline.vae_scale_factor_temporal): clips of 1 + 4k frames
-    default_fps = 15.0  # the frame rate of the pipeline's example (export_to_video(..., fps=15))
+    # frame_step: the VAE's temporal factor (pipeline.vae_scale_factor_temporal); 15 fps: the rate of the pipeline's
+    # example (export_to_video(..., fps=15))
+    clips = Clips(frame_step=4, default_fps=15.0)
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     size_multiple = 16  # VAE /16 (vae_scale_factor_spatial), 1x1 patches
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
@@ -151,7 +151,7 @@ class HunyuanVideo15Adapter(TransformerAdapter):
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     def load_sampler(self, lora_file, denoiser=None):
-        from tasks.models import lycoris
+        from tasks.models.lora_variants import lycoris
 
         pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser),
                                                  **self.sample_parts)

@@ -23,7 +23,7 @@ What follows which reference:
   prediction does not depend on the audio input) and a one-token silent (zero) audio latent whose prediction is
   dropped. Tokens and positions as the pipeline makes them: `_pack_latents` (patch 1), `rope.prepare_video_coords`
   for the clip's latent frames at its frame rate (`fps`, the RoPE's time axis in seconds; text["fps"] per item
-  when the batch carries it, else `default_fps`), timestep = sigma x 1000 (the transformer's
+  when the batch carries it, else `clips.default_fps`), timestep = sigma x 1000 (the transformer's
   timestep_scale_multiplier; the pipeline passes the scheduler's t), target noise - latents (ltx-trainer's
   `video_noise - video_latents`).
 - LoRA targets: ltx-trainer's video-only modules (docs/configuration-reference.md, "Understanding Target
@@ -48,8 +48,8 @@ from PIL import Image
 
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import KohyaLayout, on_pipeline_device
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import Clips, KohyaLayout, on_pipeline_device
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -88,12 +88,11 @@ class LTX2Adapter(TransformerAdapter):
     # LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
     # frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
     activation_factors = (37.0, 1.03, 40.0)
-    video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
-    frame_step = 8  # the VAE's temporal factor (pipeline.vae_temporal_compression_ratio): clips of 1 + 8k frames
-    default_fps = 24.0  # LTX-2's native rate (the pipeline's frame_rate default)
+    # frame_step: the VAE's temporal factor (pipeline.vae_temporal_compression_ratio); 24 fps: LTX-2's native rate
+    # (the pipeline's frame_rate default); min_side: the decoder pads by reflection, so a side needs two latent cells
+    clips = Clips(frame_step=8, default_fps=24.0, min_side=64)
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     size_multiple = 32  # VAE /32 (vae_spatial_compression_ratio), 1x1 patches
-    min_side = 64  # the decoder pads by reflection: a side needs two latent cells (validate refuses less)
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     pipeline_cls = LazyClass("diffusers", "LTX2Pipeline")
     denoiser_cls = LazyClass("diffusers", "LTX2VideoTransformer3DModel")
@@ -149,7 +148,7 @@ class LTX2Adapter(TransformerAdapter):
         b, _, f, h, w = latents.shape
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
         cfg, pack = transformer.config, self.pipeline_cls
-        fps = text["fps"].to(latents.device, torch.float32).view(b, 1, 1) if "fps" in text else self.default_fps
+        fps = text["fps"].to(latents.device, torch.float32).view(b, 1, 1) if "fps" in text else self.clips.default_fps
         video_coords = transformer.rope.prepare_video_coords(b, f, h, w, latents.device, fps=fps)
         # video only: one silent audio token, the two streams isolated (no cross-modal attention)
         audio = torch.zeros(b, 1, cfg.audio_in_channels, device=latents.device, dtype=latents.dtype)

@@ -14,8 +14,8 @@ resizes the images it is given; sampling hands the pipeline the same fitted imag
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import KohyaLayout
-from tasks.models.flow_matching import noise_latents, weighted_loss
+from tasks.models.bases.adapter import Controls, KohyaLayout
+from tasks.models.bases.flow_matching import noise_latents, weighted_loss
 from tasks.models.qwenimage import QwenImageAdapter
 
 torch = lazy("torch")
@@ -52,9 +52,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     family = "qwenimage_edit"
     kohya = KohyaLayout("networks.lora_qwen_image", "qwen_image_edit", names="named")
     pipeline_cls = LazyClass("diffusers", "QwenImageEditPlusPipeline")
-    max_controls = 3  # Qwen-Image-Edit-Plus: up to 3 images ("Picture 1..3")
-    requires_controls = True  # the pipeline renders only from an image
-    text_sees_controls = True
+    # Qwen-Image-Edit-Plus: up to 3 images ("Picture 1..3"); the pipeline renders only from an image
+    controls = Controls(most=3, required=True, seen_by_text=True)
     sample_parts = dict(text_encoder=None, tokenizer=None, processor=None, **_SAFE)
 
     @classmethod
@@ -90,7 +89,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     # -- training --------------------------------------------------------------------------------
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         control = text.get("control_latents")  # [B, K, C, ch, cw]
-        if control is None:  # every pair has one (requires_controls); plain Qwen-Image otherwise
+        if control is None:  # every pair has one (controls.required); plain Qwen-Image otherwise
             return super().training_loss(transformer, latents, text, train_cfg, scheduler, generators)
         P = diffusers.QwenImageEditPlusPipeline
         b, c, h, w = latents.shape

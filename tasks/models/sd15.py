@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from tasks.lazy import LazyClass
-from tasks.models.base import KohyaLayout
-from tasks.models.unet import UNetAdapter
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.bases.unet import UNetAdapter
 
 
 class SD15Adapter(UNetAdapter):

@@ -3,8 +3,8 @@ flow matching. Training follows diffusers' examples/dreambooth/train_dreambooth_
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import BLOCK as _B, KohyaLayout
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import BLOCK as _B, KohyaLayout
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")

@@ -3,8 +3,8 @@ UNet's added conditioning; UNet on VAE /8 latents (diffusers' train_text_to_imag
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy
-from tasks.models.base import KohyaLayout
-from tasks.models.unet import VAE_SCALE, UNetAdapter
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.bases.unet import VAE_SCALE, UNetAdapter
 
 torch = lazy("torch")
 

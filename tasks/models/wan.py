@@ -14,8 +14,8 @@ from PIL import Image
 
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import KohyaLayout
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import Clips, KohyaLayout
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -43,8 +43,7 @@ class WanAdapter(TransformerAdapter):
     # Wan's blocks save more per token (fp32 norms, cross-attention, a 2.7x FFN): measured on Wan 2.1 14B at 480x832,
     # 33 and 81 frames (bench.memory --families: 1228.3/1222.7 per 40 blocks without checkpointing, 72.9/72.7 with)
     activation_factors = (30.7, 1.03, 31.6)
-    video = True  # latents [C, F, h, w]; samples are videos (tasks/data/clips.py)
-    frame_step = 4  # the VAE's temporal factor: clips train at 1 + 4k frames
+    clips = Clips(frame_step=4)  # the VAE's temporal factor: clips train at 1 + 4k frames
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     swap_blocks = ("blocks",)  # train.blocks_to_swap
     pipeline_cls = LazyClass("diffusers", "WanPipeline")

@@ -17,7 +17,7 @@ import json
 
 from tasks.config import ConfigError
 from tasks.lazy import lazy
-from tasks.models.base import KohyaLayout, load_lora_file
+from tasks.models.bases.adapter import KohyaLayout, load_lora_file
 from tasks.models.wan import WanAdapter, noise_latents
 
 torch = lazy("torch")
@@ -97,7 +97,7 @@ class Wan22Adapter(WanAdapter):
     def load_sampler(self, lora_file, denoiser=None):
         pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.live(denoiser), **self.sample_parts)
         if lora_file is not None:
-            from tasks.models import lycoris
+            from tasks.models.lora_variants import lycoris
 
             if self.expert in ("high", "both"):
                 load_lora_file(pipe, EXPERTS["high"], lora_file)

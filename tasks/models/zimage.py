@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import KohyaLayout
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")

@@ -1,4 +1,4 @@
-"""How the train node loads the frozen base (issue 43): streamed tensor by tensor (tasks/models/stream_load.py),
+"""How the train node loads the frozen base (issue 43): streamed tensor by tensor (tasks/models/loading/stream_load.py),
 each frozen weight stored as `model.quantize` says (fp8 / torchao int8 / NF4) the moment it is read, on the GPU
 where there is one; a swapped block's weights (train.blocks_to_swap) straight to the host.
 
@@ -25,7 +25,7 @@ torch = lazy("torch")
 
 @dataclass
 class WeightLoading:
-    """tasks.models.base.FamilyAdapter.weight_loading: what stream_load calls per weight and where it puts it."""
+    """tasks.models.bases.adapter.FamilyAdapter.weight_loading: what stream_load calls per weight and where it puts it."""
     kind: str | None  # fp8 dtype name, int8, nf4; None: the compute dtype
     skip: tuple[str, ...]
     device: str
@@ -73,7 +73,7 @@ def plan_loading(adapter, cfg: dict, skip: tuple[str, ...]) -> WeightLoading | N
     plan = WeightLoading(stored or None, skip, device)
     n = cfg["train"].get("blocks_to_swap") or 0
     if n and adapter.denoisers == 1:  # Wan 2.2's two experts: placed whole, swap_blocks moves theirs after
-        from tasks.models.stream_load import folder_entries
+        from tasks.models.loading.stream_load import folder_entries
         from tasks.training.memory import block_order
 
         shapes = {k: e.shape for k, e in folder_entries(adapter.model_dir / adapter.denoiser_subfolder).items()}

@@ -9,7 +9,7 @@ from tasks import cache_latents, cache_text
 from tasks.data import augment
 from tasks.items import Memo
 from tasks.lazy import lazy
-from tasks.models import text_encoder_lora as te_lora
+from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.store import Store
 from tasks.store.hashing import key_int
 
@@ -25,7 +25,7 @@ class Captions:
     train.text_encoder_lr the live path encodes with gradients through the encoders' LoRA (`trained`)."""
 
     def __init__(self, cfg, plan, store, adapter, text_keys):
-        self.items, self.store, self.text_keys = plan["items"], store, text_keys
+        self.items, self.store, self.text_keys = plan.items, store, text_keys
         self.aug = cache_text.caption_aug(cfg)
         self.mode = augment.text_mode(te_lora.text_settings(cfg), self.aug)
         self.adapter, self.memo = adapter, Memo(MEMO_ITEMS)  # many variants of big T5 states: bounded

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import cache_text, sample
-from tasks.training import checkpoints
-from tasks.store.hashing import key_of
 from tasks.data.prompts import read_prompts
+from tasks.plan import Plan
 from tasks.store import Store
+from tasks.store.hashing import key_of
+from tasks.training import checkpoints
 from tasks.validate import planned_prompts
+
 
 CODE_VERSION = "1"
 log = logging.getLogger("loraflow")
@@ -111,7 +113,7 @@ def add_video(writer, tag: str, path, step: int) -> None:
 
 
 class CheckpointSampler:
-    def __init__(self, cfg: dict, plan: dict, store: Store, adapter, samples_dir: Path | None = None,
+    def __init__(self, cfg: dict, plan: Plan, store: Store, adapter, samples_dir: Path | None = None,
                  on_rendered: list[Callable[[int, list[str]], None]] | None = None, live_text: Callable | None = None):
         """`samples_dir`: the run's samples folder, filled as each point is rendered; `on_rendered`:
         called with (step, published paths) after that (failures are warnings); `live_text`: text -> its
@@ -169,7 +171,7 @@ class CheckpointSampler:
 
     def _seen(self, p: dict, s: dict) -> dict | None:
         """The --i images a prompt's texts are encoded with, where the text encoder sees them (cache_text)."""
-        if not (p.get("images") and self.adapter.text_sees_controls):
+        if not (p.get("images") and self.adapter.controls.seen_by_text):
             return None
         return {"images": p["images"], "size": [s["width"], s["height"]]}
 
@@ -203,7 +205,7 @@ class CheckpointSampler:
         for p in prompts:
             s = sample.settings(self.cfg, self.plan, p)
             key = key_of({"node": "checkpoint_sample", "code": CODE_VERSION, "state": state_key, **s,
-                          "model": self.plan["ids"]["sample"], "prompt": keys[_ident(p["prompt"], seen[p["line"]])],
+                          "model": self.plan.ids["sample"], "prompt": keys[_ident(p["prompt"], seen[p["line"]])],
                           "negative": keys[_ident(p["negative"], seen[p["line"]])] if p["negative"] else None,
                           "empty": keys[_ident("", seen[p["line"]])],
                           **sample.control_inputs(p)})

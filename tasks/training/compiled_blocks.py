@@ -67,11 +67,17 @@ def attention_backend() -> str:
     return " > ".join(allowed) + ("" if "cudnn" in allowed else " (cuDNN off: its backward crashed on FLUX.1-dev)")
 
 
-def matmul_path(stored: str | None, compute_dtype: str) -> str:
-    """How the frozen base's Linears multiply: the kernel path of a stored base (the fallback: upcast or
-    dequantize one layer's weight to the compute dtype inside fp8_base's autograd Function, then a plain matmul)."""
+def matmul_path(stored: str | None, compute_dtype: str, mode: str = "dequantize") -> str:
+    """How the frozen base's Linears multiply: the kernel path of a stored base (model.matmul resolved: w8a8, the
+    stored type's own matmul with activations quantized per token; or the fallback, the weight upcast or
+    dequantized to the compute dtype inside fp8_base's autograd Function, then a plain matmul)."""
     if not stored:
         return f"{compute_dtype} matmul"
+    if mode == "w8a8" and stored == "int8":
+        return "int8: w8a8, per-token int8 activations x int8 weight (torchao safe_int_mm), forward and input gradient"
+    if mode == "w8a8":
+        return (f"{stored}: w8a8, per-token float8_e4m3fn activations x fp8 weight (torch._scaled_mm); input "
+                "gradient per token in float8_e5m2")
     if stored in ("int8", "nf4"):
         return f"{stored}: torchao dequantize to {compute_dtype}, then {compute_dtype} matmul (fallback)"
     return f"{stored}: cast to {compute_dtype}, then {compute_dtype} matmul (fallback)"

@@ -22,6 +22,9 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from tasks.plan import Plan
+
+
 log = logging.getLogger("loraflow")
 RESULT = "result.json"
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Artifact|Interrupt)(: |$)")
@@ -57,12 +60,12 @@ def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: flo
         time.sleep(poll)
 
 
-def launch_training(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
+def launch_training(cfg: dict, plan: Plan, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
                     run_dir: Path | None) -> dict | None:
     """Train under `accelerate launch` with cfg.train.num_processes processes (over train.num_machines);
     returns what train.train_lora returns on the main process, None on a machine other than 0."""
     n = int(cfg["train"]["num_processes"])
-    job = {"cfg": cfg, "plan": plan, "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
+    job = {"cfg": cfg, "plan": plan.stored(), "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
            "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
@@ -109,7 +112,7 @@ def run_worker(job_file: str, train_lora: Callable[..., dict | None]) -> None:
     job = json.loads(Path(job_file).read_text())
     store = open_store(job["cfg"]["store"])
     out_dir = Path(job["out_dir"])
-    out = train_lora(job["cfg"], job["plan"], store, job["latent_keys"], job["text_keys"], out_dir,
+    out = train_lora(job["cfg"], Plan.from_stored(job["plan"]), store, job["latent_keys"], job["text_keys"], out_dir,
                            job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
     if out is not None:  # the main process
         tmp = out_dir / f".{RESULT}.tmp"

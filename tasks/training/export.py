@@ -3,7 +3,7 @@
 Kohya layout: one entry per *original-checkpoint* Linear, `<name>.lora_down.weight` (rank x in),
 `<name>.lora_up.weight` (out x rank) and a scalar `<name>.alpha`; the loader applies
 W += (alpha / rank) * up @ down. The names are the ones sd-scripts (or the family's reference trainer) writes,
-declared by each family on its adapter (`kohya = KohyaLayout(...)`, tasks/models/base.py), in three kinds:
+declared by each family on its adapter (`kohya = KohyaLayout(...)`, tasks/models/bases/adapter.py), in three kinds:
 
 - "unet" (SD1.5, SDXL): diffusers' own `convert_state_dict_to_kohya` (`lora_unet_<diffusers name>`), SDXL's then
   renamed to SGM block names (`input_blocks_4_1_...`), which A1111, ComfyUI and diffusers load; a text-encoder
@@ -34,7 +34,7 @@ from tasks.store.stored_files import canonicalize_safetensors
 from tasks.training.dora_export import dora_scales, split_dora
 from tasks.lazy import lazy
 from tasks.models import FAMILIES as REGISTRY, adapter_class
-from tasks.models.base import KohyaLayout
+from tasks.models.bases.adapter import KohyaLayout
 
 torch = lazy("torch")
 state_dict_utils = lazy("diffusers.utils.state_dict_utils")
@@ -42,7 +42,7 @@ safetensors = lazy("safetensors")
 st = lazy("safetensors.torch")
 
 # The families: the registry's (tasks/models/__init__.py), in its order; each declares its kohya names
-# (`kohya = KohyaLayout(...)` on its adapter, tasks/models/base.py)
+# (`kohya = KohyaLayout(...)` on its adapter, tasks/models/bases/adapter.py)
 FAMILIES = tuple(REGISTRY)
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived

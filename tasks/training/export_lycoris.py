@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from tasks.lazy import lazy
-from tasks.models.lycoris import network_of, modules_of, read_peft
+from tasks.models.lora_variants.lycoris import network_of, modules_of, read_peft
 
 torch = lazy("torch")
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
+from tasks.training import w8a8 as kernels
+
 # Registered under diffusers' layerwise-casting name: `ModelMixin.dtype` reads that hook's `compute_dtype`,
 # so pipelines built around the training denoiser (samples during training) see bf16, not fp8.
 HOOK_NAME = "layerwise_casting"
@@ -32,23 +34,48 @@ def upcast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype)
 
 
+def on_device(weight, device: torch.device) -> torch.Tensor:
+    """The stored weight on `device`: where it is, or a swapped block's device copy (block_swap.Swapped)."""
+    return weight if isinstance(weight, torch.Tensor) else weight.on(device)
+
+
+def _saved(ctx, weight):
+    """Saves the weight as stored for backward: a tensor through autograd, a swapped weight (its host copy and its
+    block) on ctx."""
+    if isinstance(weight, torch.Tensor):
+        ctx.save_for_backward(weight)
+    else:
+        ctx.swapped = weight
+
+
+def _stored(ctx):
+    return ctx.swapped if hasattr(ctx, "swapped") else ctx.saved_tensors[0]
+
+
 class _LinearFromStorage(torch.autograd.Function):
     """y = x @ W^T + b with W stored low; saves W as stored (not its upcast copy); W and b take no grad. W may
-    live on the host (train.blocks_to_swap): copied to x's device for forward, and again for backward."""
+    live on the host (train.blocks_to_swap): its device copy is asked for in forward, and again in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, compute_dtype):
-        ctx.save_for_backward(weight)
+    def forward(ctx, x, weight, bias, compute_dtype, w8a8=False):
+        _saved(ctx, weight)
         ctx.compute_dtype, ctx.x_dtype = compute_dtype, x.dtype
-        return F.linear(x, upcast(weight.to(x.device, non_blocking=True), compute_dtype), bias)
+        w = on_device(weight, x.device)
+        # model.matmul=w8a8: the stored type's own matmul, activations quantized per token (w8a8.py)
+        ctx.w8a8 = w8a8 and kernels.takes(w) and kernels.fits(x, w)
+        if ctx.w8a8:
+            return kernels.linear(x, w, bias)
+        return F.linear(x, upcast(w, compute_dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (weight,) = ctx.saved_tensors
+        weight = on_device(_stored(ctx), grad_out.device)
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad_out @ upcast(weight.to(grad_out.device, non_blocking=True), grad_out.dtype)).to(ctx.x_dtype)
-        return grad_x, None, None, None
+        if ctx.needs_input_grad[0] and ctx.w8a8:
+            grad_x = kernels.grad_input(grad_out, weight, ctx.x_dtype)
+        elif ctx.needs_input_grad[0]:
+            grad_x = (grad_out @ upcast(weight, grad_out.dtype)).to(ctx.x_dtype)
+        return grad_x, None, None, None, None
 
 
 class _ConvFromStorage(torch.autograd.Function):
@@ -56,24 +83,33 @@ class _ConvFromStorage(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, compute_dtype, stride, padding, dilation, groups):
-        ctx.save_for_backward(weight)
+        _saved(ctx, weight)
         ctx.geometry = (x.shape, x.dtype, stride, padding, dilation, groups)
+        weight = on_device(weight, x.device)
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[weight.dim()]
-        return conv(x, weight.to(x.device, compute_dtype, non_blocking=True), bias, stride, padding, dilation, groups)
+        return conv(x, weight.to(compute_dtype), bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (weight,) = ctx.saved_tensors
+        weight = on_device(_stored(ctx), grad_out.device)
         shape, x_dtype, stride, padding, dilation, groups = ctx.geometry
         grad_x = None
         if ctx.needs_input_grad[0]:
             shaped = grad_out.new_empty(1).expand(shape)  # convolution_backward reads only the input's shape
             n = weight.dim() - 2
             grad_x = torch.ops.aten.convolution_backward(
-                grad_out, shaped, weight.to(grad_out.device, grad_out.dtype, non_blocking=True), None, stride, padding,
+                grad_out, shaped, weight.to(grad_out.dtype), None, stride, padding,
                 dilation, False, [0] * n,
                 groups, (True, False, False))[0].to(x_dtype)
         return (grad_x,) + (None,) * 7
+
+
+@torch.compiler.disable
+def _eager_linear(x, weight, bias, compute_dtype, w8a8):
+    """A torchao weight (int8, NF4) or a swapped one, outside train.compile's graphs: inductor refuses a graph whose
+    tensor-subclass inputs alias its outputs (the weight autograd saves), and a swap's copies are stream work. The
+    rest of the block (attention, norms, the LoRA) still compiles around it."""
+    return _LinearFromStorage.apply(x, weight, bias, compute_dtype, w8a8)
 
 
 class StorageCastHook(ModelHook):
@@ -84,7 +120,8 @@ class StorageCastHook(ModelHook):
     def __init__(self, storage_dtype: torch.dtype | None, compute_dtype: torch.dtype):
         super().__init__()
         self.storage_dtype, self.compute_dtype = storage_dtype, compute_dtype
-        self.host_weight = None  # train.blocks_to_swap: the weight, held here on the host (block_swap.py)
+        self.host_weight = None  # train.blocks_to_swap: the weight, held here on the host (block_swap.Swapped)
+        self.w8a8 = False  # model.matmul resolved to w8a8 (set_matmul)
 
     def initialize_hook(self, module):
         if self.storage_dtype is not None:  # None: kept as it is (a swapped block's unstored layer)
@@ -96,10 +133,12 @@ class StorageCastHook(ModelHook):
     def new_forward(self, module, x, *args, **kwargs):
         weight, bias = module.weight if self.host_weight is None else self.host_weight, module.bias
         if isinstance(module, torch.nn.Linear):
-            return _LinearFromStorage.apply(x, weight, bias, self.compute_dtype)
+            if type(weight) in (torch.Tensor, torch.nn.Parameter):  # fp8: traced by train.compile
+                return _LinearFromStorage.apply(x, weight, bias, self.compute_dtype, self.w8a8)
+            return _eager_linear(x, weight, bias, self.compute_dtype, self.w8a8)
         if module.padding_mode != "zeros":  # pad outside the Function: autograd differentiates F.pad
             x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
-            padding = (0,) * (weight.dim() - 2)
+            padding = (0,) * (x.dim() - 2)
         else:
             padding = module.padding
         return _ConvFromStorage.apply(x, weight, bias, self.compute_dtype, module.stride, padding,
@@ -133,3 +172,12 @@ def store_base_low(model: torch.nn.Module, storage_dtype: torch.dtype, compute_d
             StorageCastHook(storage_dtype, compute_dtype), HOOK_NAME)
         stored.append(path)
     return stored
+
+
+def set_matmul(model: torch.nn.Module, mode: str) -> int:
+    """model.matmul as resolved (w8a8.resolve) on every stored-weight layer of `model`; returns how many."""
+    hooks = [m._diffusers_hook.get_hook(HOOK_NAME) for m in model.modules() if hasattr(m, "_diffusers_hook")]
+    hooks = [h for h in hooks if isinstance(h, StorageCastHook)]
+    for hook in hooks:
+        hook.w8a8 = mode == "w8a8"
+    return len(hooks)

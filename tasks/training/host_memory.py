@@ -1,7 +1,7 @@
 """The host side of the preflight (issue 43): with a GPU, what training holds in host RAM is the process itself,
 the swapped blocks' weights and the offloaded block inputs (the estimate's host_gb), and what loading holds at
 its peak: one tensor read and cast on its way to the device when the base is streamed
-(tasks/models/stream_load.py), the whole base in the compute dtype on the "bf16-then-quantize" path (DoRA on a
+(tasks/models/loading/stream_load.py), the whole base in the compute dtype on the "bf16-then-quantize" path (DoRA on a
 stored base). Without a GPU the device is the host and the device preflight (memory.preflight) already checks
 the whole run against the available RAM.
 
@@ -103,7 +103,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: b
     """validate's host check (module doc): reads the denoiser files' headers (a missing or truncated file is a
     one-line ConfigError here, before anything is cached or loaded); with a GPU, refuses a run the RAM cannot
     hold. Returns the report's host figures."""
-    from tasks.models.stream_load import folder_entries
+    from tasks.models.loading.stream_load import folder_entries
     from tasks.runtime import cuda_available
     from tasks.training.memory import block_order, estimate as estimate_of, host_available_gb, lora_targets
 

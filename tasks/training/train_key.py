@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tasks.data import augment, controls, masks
 from tasks import cache_text
-from tasks.models import text_encoder_lora as te_lora
-from tasks.store.hashing import key_of, key_of_hex
-from tasks.models import adapter_class
-from tasks.runtime import runtime
 from tasks.config import stored_as
+from tasks.data import augment, controls, masks
+from tasks.models import adapter_class
+from tasks.models.lora_variants import text_encoder_lora as te_lora
+from tasks.plan import Plan
+from tasks.runtime import runtime
+from tasks.store.hashing import key_of, key_of_hex
+from tasks.training import w8a8
+
 
 FP8_BASE_VERSION = "autograd-cast-1"  # the fp8 base's own version, in the key of fp8 runs only
 
@@ -32,11 +35,11 @@ _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"),
              ("compile", False))  # compiled kernels round differently: another LoRA
 
 
-def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
+def inputs(cfg: dict, plan: Plan, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
     """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
 
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
-    held = set(plan.get("validation_items", []))  # data.validation_split: scored, never trained
+    held = set(plan.validation_items)  # data.validation_split: scored, never trained
 
     texts_of, live = cache_text.caption_texts_of(cfg), {}
 
@@ -53,12 +56,12 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             return key_of([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *draws, *mask])
         return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *mask])
 
-    pairs = {f"item:{it['name']}": pair(it) for it in plan["items"] if it["name"] not in held}
+    pairs = {f"item:{it['name']}": pair(it) for it in plan.items if it["name"] not in held}
     unused = _unused(cfg["train"])
-    if not any(it.get("is_reg") for it in plan["items"]):  # it weighs reg images only
+    if not any(it.get("is_reg") for it in plan.items):  # it weighs reg images only
         unused.add("prior_loss_weight")
-    return {"node": "train", "code": CODE_VERSION, "family": plan["family"], **_family_version(plan),
-            "denoiser": plan["ids"]["denoiser"], "scheduler": plan["ids"]["scheduler"],
+    return {"node": "train", "code": CODE_VERSION, "family": plan.family, **_family_version(plan),
+            "denoiser": plan.ids["denoiser"], "scheduler": plan.ids["scheduler"],
             "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
             **({"expert": cfg["model"]["expert"]} if cfg["model"].get("expert") else {}),  # Wan 2.2's
             "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
@@ -66,24 +69,24 @@ def inputs(cfg: dict, plan: dict, latent_keys: dict[str, str], text_keys: dict[s
             **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **_text_encoders(cfg, plan), **pairs}
 
 
-def key_of_node(cfg: dict, plan: dict, latent_keys: dict, text_keys: dict) -> str:
+def key_of_node(cfg: dict, plan: Plan, latent_keys: dict, text_keys: dict) -> str:
     return key_of(inputs(cfg, plan, latent_keys, text_keys))
 
 
-def _text_encoders(cfg: dict, plan: dict) -> dict:
+def _text_encoders(cfg: dict, plan: Plan) -> dict:
     # train.text_encoder_lr: the encoders (and tokenizers) being trained are part of what is trained
-    return {"text_encoders": plan["ids"]["text"]} if te_lora.enabled(cfg) else {}
+    return {"text_encoders": plan.ids["text"]} if te_lora.enabled(cfg) else {}
 
 
-def _validation(cfg: dict, plan: dict, pair) -> dict:
+def _validation(cfg: dict, plan: Plan, pair) -> dict:
     # The held-out items (their losses are stored with the LoRA), only when data.validation_split is set.
     from tasks.training.validation_loss import DRAWS, VALIDATION_SEED
 
-    held = set(plan.get("validation_items", []))
+    held = set(plan.validation_items)
     if not held:
         return {}
     return {"validation": {"split": cfg["data"]["validation_split"], "seed": VALIDATION_SEED, "draws": DRAWS,
-                           "items": {it["name"]: pair(it) for it in plan["items"] if it["name"] in held}}}
+                           "items": {it["name"]: pair(it) for it in plan.items if it["name"] in held}}}
 
 
 def _draws(item: dict) -> list[dict]:
@@ -101,9 +104,9 @@ def _unused(tc: dict) -> set[str]:
     return out | ({"discrete_flow_shift"} if tc.get("timestep_sampling") != "shift" else set())
 
 
-def _family_version(plan: dict) -> dict:
+def _family_version(plan: Plan) -> dict:
     # The family's own training version (FamilyAdapter.train_version), in the key only once it is set.
-    version = adapter_class(plan["family"]).train_version
+    version = adapter_class(plan.family).train_version
     return {"family_version": version} if version else {}
 
 
@@ -119,7 +122,9 @@ def _modulation(cfg: dict) -> dict:
     if not stored_as(cfg["model"]):
         return {}
     return {"fp8_base": FP8_BASE_VERSION, **({"quantize": quantize} if quantize != "none" else {}),
-            **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {})}
+            **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {}),
+            # activations quantized per token (tasks/training/w8a8.py): other numbers than the upcast weight's
+            **({"matmul": "w8a8"} if w8a8.resolve(cfg["model"]) == "w8a8" else {})}
 
 
 def _sampling(cfg: dict) -> dict:

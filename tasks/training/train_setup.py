@@ -11,7 +11,8 @@ import numpy as np
 
 from tasks.config import stored_as
 from tasks.lazy import lazy
-from tasks.models import lycoris
+from tasks.models.lora_variants import lycoris
+from tasks.training import w8a8
 from tasks.training.base_loading import load_planned, plan_loading
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
@@ -106,7 +107,7 @@ def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
     denoiser.requires_grad_(False)
     alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
     # train.network=dora / train.rslora: peft's own variants; loha / lokr: peft's LoHaConfig / LoKrConfig
-    # (tasks/models/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
+    # (tasks/models/lora_variants/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
     # file's metadata is unchanged.
     if lycoris.is_lycoris(tc):
         config = lycoris.make_config(tc["network"], tc["rank"], alpha, lora_targets(tc, adapter))
@@ -134,6 +135,10 @@ def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
         from tasks.training.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
 
         store_base_low(denoiser, getattr(torch, stored), adapter.dtype, skip)
+    if stored and w8a8.resolve(cfg["model"]) == "w8a8":  # the stored type's own matmul (tasks/training/w8a8.py)
+        from tasks.training.fp8_base import set_matmul
+
+        set_matmul(denoiser, "w8a8")
     if tc.get("blocks_to_swap"):
         from tasks.training.block_swap import swap_blocks
 

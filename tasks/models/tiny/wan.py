@@ -1,7 +1,7 @@
 """Tiny, deterministic Wan 2.1 / Wan 2.2 pipelines built offline from the real diffusers/transformers classes:
 WanTransformer3DModel, AutoencoderKLWan (the causal video VAE: /8 in space, /4 in time, 1 + 4k frames),
 UMT5EncoderModel with a T5 tokenizer, and the UniPC flow scheduler Wan's repositories ship. Same conventions as
-tiny_families.py: weights depend only on `seed`, `arch` overrides keys of WAN_ARCH, the caller's RNG is left alone.
+common.py: weights depend only on `seed`, `arch` overrides keys of WAN_ARCH, the caller's RNG is left alone.
 
 Wan 2.2 (A14B): two transformers of the same shape, `transformer` for the high-noise steps (t >= boundary_ratio x
 1000) and `transformer_2` for the rest, as diffusers' WanPipeline switches between them (boundary_ratio 0.875 in
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.models.tiny import t5_tokenizer
-from tasks.models.tiny_families import resolve_arch, seeder
+from tasks.models.tiny.common import t5_tokenizer
+from tasks.models.tiny.common import resolve_arch, seeder
 
 WAN_ARCH: dict = {
     # WanTransformer3DModel (diffusers' own fast-test sizes); text_dim = the UMT5 width

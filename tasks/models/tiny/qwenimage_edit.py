@@ -1,14 +1,14 @@
 """A tiny, deterministic Qwen-Image-Edit-Plus (2509) pipeline, built offline from the real classes: Qwen-Image's
-tiny transformer, VAE and Qwen2.5-VL (tiny_llm_families.qwenimage_parts) plus the processor the edit pipeline
+tiny transformer, VAE and Qwen2.5-VL (qwenimage.qwenimage_parts) plus the processor the edit pipeline
 feeds the control images through (Qwen2VLProcessor: the Qwen2-VL image processor, whose 14 px patches merged
-2x2 become the `<|image_pad|>` tokens the vision tower fills). Same conventions as tiny_llm_families.py."""
+2x2 become the `<|image_pad|>` tokens the vision tower fills). Same conventions as common.py."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tasks.models.tiny_families import resolve_arch, seeder
-from tasks.models.tiny_llm_families import QWENIMAGE_ARCH, qwen25vl_tokenizer, qwenimage_parts
+from tasks.models.tiny.common import resolve_arch, seeder
+from tasks.models.tiny.qwenimage import QWENIMAGE_ARCH, qwen25vl_tokenizer, qwenimage_parts
 
 # QwenImageEditPlusPipeline.prompt_template_encode's system text: the pipeline drops the template's first 64
 # tokens (prompt_template_encode_start_idx), counted with the real tokenizer; the tiny one learns this text

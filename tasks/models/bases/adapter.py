@@ -13,7 +13,7 @@ from typing import Any
 from PIL import Image
 
 from tasks.lazy import lazy
-from tasks.models import fp8_single_file
+from tasks.models.loading import fp8_single_file
 
 torch = lazy("torch")
 
@@ -67,6 +67,27 @@ class KohyaLayout:
     # ComfyUI's own model names differ from the kohya file's (Z-Image: q/k/v fused): a ComfyUI file apart
     # (tasks/training/export_comfyui.py); False: the kohya file is the ComfyUI file
     comfyui_fuses_qkv: bool = False
+
+
+@dataclass(frozen=True)
+class Clips:
+    """A video family's clips (Wan, LTX-2, HunyuanVideo 1.5): latents [C, F, h, w] from clips of 1 + frame_step x k
+    frames (an image is one frame); its `sample` takes `frames` and `fps` and returns a tasks.data.clips.Video."""
+    frame_step: int  # the VAE's temporal factor
+    default_fps: float = 16.0  # the family's native rate: its samples' when data.fps is null
+    min_side: int = 0  # the smallest side (px) its VAE decoder renders; validate refuses less
+
+
+@dataclass(frozen=True)
+class Controls:
+    """An edit family's control images (data.control_dirs, a prompt's --i): its training_loss reads
+    text["control_latents"] ([B, K, C, h, w]) and its `sample` takes `controls`."""
+    most: int  # how many control images a sample takes
+    min_side: int = 0  # the smallest control image (px a side) the pipeline takes
+    required: bool = False  # the pipeline renders only from a control image (every pair and --i needs one)
+    # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
+    # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)
+    seen_by_text: bool = False
 
 
 class FamilyAdapter(ABC):
@@ -138,7 +159,7 @@ class FamilyAdapter(ABC):
         network) and save it as a diffusers folder at out_dir."""
         local = dict(config=str(self.model_dir), dtype=self.dtype, local_files_only=True)
         if self.single_file_holds == "denoiser" and fp8_single_file.holds_fp8(file):
-            # an fp8 file: kept in its own dtypes, read as stored (tasks/models/fp8_single_file.py)
+            # an fp8 file: kept in its own dtypes, read as stored (tasks/models/loading/fp8_single_file.py)
             fp8_single_file.convert(self.denoiser_cls, file, self.model_dir, self.denoiser_subfolder, self.dtype, out_dir)
             shutil.copytree(self.model_dir, out_dir, dirs_exist_ok=True, copy_function=_link_or_copy,
                             ignore=lambda d, names: [self.denoiser_subfolder] if Path(d) == self.model_dir else [])
@@ -178,7 +199,7 @@ class FamilyAdapter(ABC):
     def load_denoiser(self) -> torch.nn.Module: ...
 
     # How `pretrained_denoiser` reads the weights: None = diffusers' from_pretrained (sampling, tools); the train
-    # node sets a WeightLoading (tasks/training/train_setup.py) to stream them (tasks/models/stream_load.py)
+    # node sets a WeightLoading (tasks/training/train_setup.py) to stream them (tasks/models/loading/stream_load.py)
     weight_loading = None
 
     def pretrained_denoiser(self, cls: type, subfolder: str) -> torch.nn.Module:
@@ -186,7 +207,7 @@ class FamilyAdapter(ABC):
         (each weight stored as the train node's plan says, on the device it names) when weight_loading is set."""
         if self.weight_loading is None:
             return cls.from_pretrained(self.model_dir, subfolder=subfolder, dtype=self.dtype, use_safetensors=True)
-        from tasks.models.stream_load import load_streamed
+        from tasks.models.loading.stream_load import load_streamed
 
         plan = self.weight_loading
         return load_streamed(cls, self.model_dir / subfolder, self.dtype, plan.store,
@@ -199,25 +220,14 @@ class FamilyAdapter(ABC):
     # Whether a latent is stored with its image's original size and crop offsets (SDXL's size conditioning);
     # training passes them to the loss beside the text tensors.
     size_conditioning = False
-    flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/flow_matching.py)
-    # train.text_encoder_lr (tasks/models/text_encoder_lora.py): the pipeline's text encoders that get a LoRA and the
+    flow_matching = False  # train.timestep_sampling other than sigma applies (tasks/models/bases/flow_matching.py)
+    # train.text_encoder_lr (tasks/models/lora_variants/text_encoder_lora.py): the pipeline's text encoders that get a LoRA and the
     # modules it targets in them; () = the family trains no text encoder (the setting is refused)
-    # Edit families: how many control images (data.control_dirs, --i) a sample takes; 0: none (text-to-image).
-    # Their training_loss reads text["control_latents"] ([B, K, C, h, w]) and their sample takes `controls`.
-    max_controls = 0
-    min_control_side = 0  # the smallest control image (px a side) the pipeline takes
+    controls = Controls(most=0)  # an edit family's control images; most=0: a text-to-image family
     # train.blocks_to_swap: the denoiser's block lists, in the order they run (tasks/training/block_swap.py);
     # () = none to swap (the UNets: the setting is refused)
     swap_blocks: tuple[str, ...] = ()
-    # Video families (Wan, LTX-2): latents [C, F, h, w] from clips of 1 + frame_step * k frames (images are one
-    # frame); `sample` takes `frames` and `fps` and returns a tasks.data.clips.Video
-    video = False
-    frame_step = 1
-    default_fps = 16.0  # a video family's native rate: its samples' when data.fps is null
-    requires_controls = False  # the pipeline renders only from a control image (every pair and --i needs one)
-    # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
-    # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)
-    text_sees_controls = False
+    clips: Clips | None = None  # a video family's clips; None: an image family
 
     @classmethod
     def control_size(cls, width: int, height: int) -> tuple[int, int]:
@@ -288,8 +298,8 @@ def on_pipeline_device(pipe, text: dict | None) -> dict | None:
 
 def load_lora_file(pipe, denoiser_subfolder: str, lora_file) -> None:
     """A LoRA file into a pipeline: diffusers' load_lora_weights, or for LoHa/LoKr (which it does not read) peft
-    on the denoiser itself, from the train node's file or the exported LyCORIS file (tasks/models/lycoris.py)."""
-    from tasks.models import lycoris
+    on the denoiser itself, from the train node's file or the exported LyCORIS file (tasks/models/lora_variants/lycoris.py)."""
+    from tasks.models.lora_variants import lycoris
 
     if lycoris.file_network(lora_file):
         lycoris.apply_file(getattr(pipe, denoiser_subfolder), lora_file)

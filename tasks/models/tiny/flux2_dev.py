@@ -1,5 +1,5 @@
 """A tiny, deterministic FLUX.2 [dev] pipeline (`Flux2Pipeline`: Mistral Small 3.1 text encoder), built offline
-from real diffusers/transformers classes. Conventions of tiny_llm_families.py: weights depend only on `seed`,
+from real diffusers/transformers classes. Conventions of common.py: weights depend only on `seed`,
 the caller's RNG is untouched, `arch` overrides keys of `FLUX2_DEV_ARCH`.
 
 The text encoder is a `Mistral3ForConditionalGeneration` (a Mistral text model and a one-layer Pixtral vision
@@ -18,9 +18,9 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tasks.models.tiny import corpus, learn_bpe
-from tasks.models.tiny_families import resolve_arch, seeder
-from tasks.models.tiny_llm_families import FLUX2_ARCH, flux2_image_parts
+from tasks.models.tiny.common import corpus, learn_bpe
+from tasks.models.tiny.common import resolve_arch, seeder
+from tasks.models.tiny.flux2 import FLUX2_ARCH, flux2_image_parts
 
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",

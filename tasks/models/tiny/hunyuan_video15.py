@@ -7,20 +7,20 @@ a Qwen2.5-VL text model (Qwen2_5_VLTextModel) with a Qwen2 tokenizer and chat te
 one) and the ClassifierFreeGuidance guider (6.0), as diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py
 assembles them.
 
-Conventions of tiny_families.py / tiny_llm_families.py: weights depend only on `seed` (same seed -> byte-identical
+Conventions of common.py: weights depend only on `seed` (same seed -> byte-identical
 files), one seed per component, the caller's global RNG is untouched, `arch` overrides keys of `HV15_ARCH`
 (unknown key -> ValueError).
 
 The pipeline drops the first 108 tokens of its chat template (`prompt_template_encode_start_idx`: the system
 message, counted with the real Qwen2.5-VL tokenizer). The tiny tokenizer learns its merges with that message
-weighted in (tiny_llm_families.qwen25vl_tokenizer), so every word of it is one token and the same 108 tokens are
+weighted in (qwenimage.qwen25vl_tokenizer), so every word of it is one token and the same 108 tokens are
 the template (tests/test_hunyuan_video15.py checks it)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.models.tiny_families import resolve_arch, seeder
-from tasks.models.tiny_llm_families import qwen25vl_tokenizer
+from tasks.models.tiny.common import resolve_arch, seeder
+from tasks.models.tiny.qwenimage import qwen25vl_tokenizer
 
 HV15_ARCH: dict = {
     # HunyuanVideo15Transformer3DModel: inner dim = heads x head dim; rope_axes_dim sums to the head dim;

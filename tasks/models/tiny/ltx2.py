@@ -5,7 +5,7 @@ Gemma3ForConditionalGeneration text encoder (a Gemma 3 text model and a one-laye
 runs), LTX2TextConnectors (the feature projection of Gemma's stacked hidden states and the video/audio connector
 transformers with their learnable registers) and the non-distilled LTX-2 scheduler.
 
-Conventions of tiny_families.py / tiny_llm_families.py: weights depend only on `seed` (same seed -> byte-identical
+Conventions of common.py: weights depend only on `seed` (same seed -> byte-identical
 files), one seed per component, the caller's global RNG is untouched, `arch` overrides keys of `LTX2_ARCH`
 (unknown key -> ValueError).
 
@@ -20,7 +20,7 @@ connectors, the scheduler's dynamic shift 0.95..2.05 with shift_terminal 0.1).
 
 The tokenizer is a `GemmaTokenizer` (BPE with byte fallback, spaces as "▁", Gemma's special ids: <pad> 0, <eos> 1,
 <bos> 2, <unk> 3, <mask> 4; <bos> leads every text, padding on the left) whose merges are learnt deterministically
-from tiny.py's corpus, as the other tiny tokenizers are (no download)."""
+from common.py's corpus, as the other tiny tokenizers are (no download)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.models.tiny import corpus, learn_bpe
-from tasks.models.tiny_families import resolve_arch, seeder
+from tasks.models.tiny.common import corpus, learn_bpe
+from tasks.models.tiny.common import resolve_arch, seeder
 
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.models import lycoris
+from tasks.models.lora_variants import lycoris
 
 # report.json nodes.cache_text.text_encoding, when the encoders train
 LIVE = ("live: train.text_encoder_lr trains the text encoders, so nothing is read from the text cache; captions "

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 from tasks.lazy import lazy
-from tasks.models.base import FamilyAdapter, load_lora_file
-from tasks.models.losses import flow_loss, offset_noise
+from tasks.models.bases.adapter import FamilyAdapter, load_lora_file
+from tasks.models.bases.losses import flow_loss, offset_noise
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")

@@ -1,20 +1,15 @@
-"""A tiny, deterministic Flux pipeline built offline from real diffusers/transformers classes.
-
-Used by tests and smoke runs: same architecture and code paths as FLUX.1-dev, but a few hundred
-kB on disk, so everything runs on CPU in seconds with no Hugging Face hub access.
-"""
-
+"""A tiny, deterministic Flux pipeline (and FLUX.1 Kontext's) built offline from real diffusers/transformers classes:
+the same architecture and code paths as FLUX.1-dev, a few hundred kB on disk (conventions: tasks/models/tiny/common.py)."""
 from __future__ import annotations
 
-import math
-import re
-from collections import Counter
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from tokenizers import pre_tokenizers
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast, T5Config, T5EncoderModel, T5TokenizerFast
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from tasks.models.tiny.common import clip_tokenizer, t5_tokenizer
+
 
 DEFAULT_ARCH: dict = {
     # FluxTransformer2DModel (guidance_embeds=True, like flux-dev)
@@ -30,92 +25,6 @@ DEFAULT_ARCH: dict = {
     "t5_d_model": 32, "t5_d_kv": 8, "t5_d_ff": 37, "t5_layers": 2, "t5_heads": 4,
     "t5_max_length": 32,
 }
-
-# Small built-in corpus for training the tokenizers offline.
-_WORDS = """
-the be to of and a in that have i it for not on with he as you do at this but his by from they we say
-her she or an will my one all would there their what so up out if about who get which go me when make
-can like time no just him know take people into year your good some could them see other than then now
-look only come its over think also back after use two how our work first well way even new want because
-any these give day most us is are was were been has had did does made said went got came thing man woman
-child world life hand part place case week point house home water room mother area money story fact month
-lot right study book eye job word business issue side kind head far black long both little own old big
-high different small large next early young important few public bad same able red blue green yellow
-orange purple pink brown white grey gray cyan magenta gold silver dark light bright pale circle square
-triangle star heart diamond hexagon rectangle oval line dot stripe stripes striped grid checker pattern
-shape shapes photo photograph picture image painting drawing sketch render illustration portrait
-background foreground center centre left top bottom corner middle edge border frame inside outside
-above below near under between around behind front zero three four five six seven eight nine ten
-eleven twelve twenty hundred thousand many several single double pair group row column style art
-artist digital sharp soft smooth rough flat solid empty full round tall short wide narrow thin thick
-tiny huge simple plain detailed clean cat dog bird fish tree flower sky sun moon cloud mountain river
-sea city street car road table chair cup window door wall floor light shadow color colour texture
-""".split()
-_COLOURS = "red blue green yellow orange purple pink white black grey".split()
-_SHAPES = "circle square triangle star heart diamond stripes dots".split()
-
-
-def corpus() -> list[str]:
-    """Deterministic lines: the word list plus templated captions like the ones we train on."""
-    lines = [" ".join(_WORDS[i : i + 12]) for i in range(0, len(_WORDS), 12)]
-    lines += [
-        f"a photo of a {c} {s} on a {b} background" for c in _COLOURS for s in _SHAPES for b in _COLOURS if b != c
-    ]
-    lines += [f"{n} {s}s, {n} {c} shapes" for n in range(0, 21) for s in _SHAPES[:3] for c in _COLOURS[:3]]
-    return lines
-
-
-def learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> list[tuple[str, str]]:
-    """Plain BPE merge learning with ties broken by pair, so the result is reproducible
-    (tokenizers' BpeTrainer/UnigramTrainer break ties in hash order: different files every run).
-    `suffix` marks a word's last symbol (CLIP's "</w>"; "" for GPT-2/Qwen byte-level BPE)."""
-    seqs = {w: tuple(w[:-1]) + (w[-1] + suffix,) for w in sorted(word_counts)}
-    merges = []
-    for _ in range(num_merges):
-        pairs = Counter()
-        for w, s in seqs.items():
-            for pair in zip(s, s[1:]):
-                pairs[pair] += word_counts[w]
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        for w, s in seqs.items():
-            out, i = [], 0
-            while i < len(s):
-                step = 2 if s[i : i + 2] == best else 1
-                out.append("".join(s[i : i + step]))
-                i += step
-            seqs[w] = tuple(out)
-    return merges
-
-
-def clip_tokenizer(num_merges: int) -> CLIPTokenizerFast:
-    """Byte-level BPE with CLIP's pre-processing and vocab layout (bytes, bytes</w>, merges, specials)."""
-    backend = CLIPTokenizerFast().backend_tokenizer  # empty vocab; gives us CLIP's exact pre-processing
-    words = Counter(
-        piece for line in corpus()
-        for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line))
-    )
-    merges = learn_bpe(words, num_merges)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    # Every byte both word-internal and word-final, so any text tokenizes without <unk>, like real CLIP.
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]  # specials last, as in CLIP (eos = highest id)
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    return CLIPTokenizerFast(vocab=vocab, merges=merges, model_max_length=77)
-
-
-def t5_tokenizer(max_length: int) -> T5TokenizerFast:
-    """Sentencepiece-style Unigram with T5's special ids (<pad>=0, </s>=1, <unk>=2): whole corpus words
-    scored by log-frequency, plus every printable ASCII char as a low-score fallback."""
-    words = Counter(w for line in corpus() for w in re.findall(r"[a-z0-9]+", line))
-    total = sum(words.values())
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [("\u2581" + w, round(math.log(n / total), 4)) for w, n in sorted(words.items())]
-    fallback = round(math.log(1 / total) - 5.0, 4)
-    pieces += [(c, fallback) for c in ["\u2581"] + [chr(i) for i in range(33, 127)]]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
 def build_tiny_flux(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:

@@ -1,6 +1,6 @@
 """A transformer single file stored in fp8 (`flux1-dev-fp8.safetensors` and its kind) converted to a diffusers
 folder as stored (issue 43): its tensors keep the file's dtypes, so the fp8 weights stay fp8 and the train node
-streams them in as they are (tasks/models/stream_load.py; with `model.quantize=fp8` they are held as read).
+streams them in as they are (tasks/models/loading/stream_load.py; with `model.quantize=fp8` they are held as read).
 diffusers' from_single_file would cast every tensor to one dtype (bf16: twice the bytes, the whole model in host
 memory; fp8: the norms too).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tasks.config import ConfigError
 from tasks.lazy import lazy
-from tasks.models.stream_load import SCALE_SUFFIXES, iter_tensors, read_header
+from tasks.models.loading.stream_load import SCALE_SUFFIXES, iter_tensors, read_header
 
 torch = lazy("torch")
 

@@ -9,8 +9,8 @@ from abc import abstractmethod
 from pathlib import Path
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import FamilyAdapter, load_lora_file
-from tasks.models.losses import ddpm_loss, offset_noise
+from tasks.models.bases.adapter import FamilyAdapter, load_lora_file
+from tasks.models.bases.losses import ddpm_loss, offset_noise
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")

@@ -7,8 +7,8 @@ how sampling uses a negative prompt."""
 from __future__ import annotations
 
 from tasks.lazy import LazyClass, lazy, no_grad
-from tasks.models.base import BLOCK as _B, SINGLE as _S
-from tasks.models.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.adapter import BLOCK as _B, SINGLE as _S, Controls
+from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -40,8 +40,7 @@ class Flux2Adapter(TransformerAdapter):
     pipeline_cls: type  # Flux2KleinPipeline or Flux2Pipeline: the same static latent/id helpers
     # Reference images (data.control_dirs, --i): the pipelines take a list; 4 here (BFL's guides give up to 10
     # for [dev] at high memory cost; the issue asks for several)
-    max_controls = 4
-    min_control_side = 64  # Flux2ImageProcessor.check_image_input refuses smaller reference images
+    controls = Controls(most=4, min_side=64)  # Flux2ImageProcessor.check_image_input refuses smaller references
     denoiser_cls = LazyClass("diffusers", "Flux2Transformer2DModel")
     denoiser_subfolder = "transformer"
     sample_parts = SAMPLE_PARTS
