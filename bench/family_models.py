@@ -8,6 +8,8 @@ import functools
 import re
 from pathlib import Path
 
+from bench.flux_train import random_model
+
 HERE = Path(__file__).resolve().parent
 # A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
 # 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
@@ -42,7 +44,6 @@ def random_adapter(model: str, device):
     import importlib
 
     import diffusers
-    import torch
 
     ref, cls_name, arch = model_table()[model]
     module, name = ref.split(":")
@@ -51,13 +52,7 @@ def random_adapter(model: str, device):
 
     class Random(base):
         def load_denoiser(self):  # random bf16 weights on `device` (meta: shapes only); no file
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    return cls(**arch)
-            finally:
-                torch.set_default_dtype(previous)
+            return random_model(cls, arch, device)
 
     return Random(HERE, "bfloat16"), cls, arch
 

@@ -27,23 +27,29 @@ LABELS = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkp
 # The train node's flow-matching settings (conf/train defaults; tasks/config.py TrainConfig).
 TRAIN_CFG = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
                  optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
+def random_model(cls, arch: dict, device):
+    """`cls(**arch)` with random bf16 weights made on `device` (meta: shapes only): no file, no fp32 copy anywhere."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return cls(**arch)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool = False):
     """(adapter, denoiser, LoRA parameters), prepared by the train node's own code."""
-    import torch
     from diffusers import FluxTransformer2DModel
 
     from tasks.models.flux import FluxAdapter
     from tasks.training.train_setup import prepare_denoiser
 
     class RandomFlux(FluxAdapter):
-        def load_denoiser(self):  # random bf16 weights made on the device: no file, no fp32 copy anywhere
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    return FluxTransformer2DModel(**arch)
-            finally:
-                torch.set_default_dtype(previous)
+        def load_denoiser(self):
+            return random_model(FluxTransformer2DModel, arch, device)
 
     adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
     cfg = {"model": {"storage_dtype": "float8_e4m3fn" if fp8 else None, "storage_modulation": modulation},

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.flux_train import FLUX_DEV, TINY, TRAIN_CFG, inputs, train_step
+from bench.flux_train import FLUX_DEV, TINY, TRAIN_CFG, inputs, random_model, train_step
 
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
@@ -51,7 +51,6 @@ GOALS = (("fp8", "bf16", 1.0), ("fp8+w8a8", "bf16", 1.0), ("int8", "bf16", 1.1),
 
 def build(arch: dict, device, name: str, rank: int):
     """(adapter, denoiser, LoRA parameters, runtime entry) for one setting, by the train node's own code."""
-    import torch
     from diffusers import FluxTransformer2DModel
 
     from tasks.models.flux import FluxAdapter
@@ -61,14 +60,8 @@ def build(arch: dict, device, name: str, rank: int):
     from tasks.config import stored_as
 
     class RandomFlux(FluxAdapter):
-        def load_denoiser(self):  # random bf16 weights made on the device: no file, no fp32 copy anywhere
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    return FluxTransformer2DModel(**arch)
-            finally:
-                torch.set_default_dtype(previous)
+        def load_denoiser(self):
+            return random_model(FluxTransformer2DModel, arch, device)
 
     model, train = SETTINGS[name]
     if train.get("blocks_to_swap"):  # the tiny smoke test's model has fewer blocks: all but one swapped

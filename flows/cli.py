@@ -3,14 +3,15 @@
 Before Hydra and Prefect start it refuses a bad config (exit 2, one line naming the key) and a server that
 wants an auth string; then it installs the signal handlers (Ctrl-C / SIGTERM: exit 130 / 143, the temporary
 Prefect server shielded), runs the flow once per run or sweep member, and turns user errors into one line
-and exit 2. A sweep goes on past a failed member; its summary lists it and the sweep exits 1."""
+and exit 2, a Prefect API it cannot reach or start into one line and exit 3 (flows/prefect_api.py). A sweep
+goes on past a failed member; its summary lists it and the sweep exits 1."""
 from __future__ import annotations
 
 import logging
 import sys
 from pathlib import Path
 
-from flows import auth, console, sweep
+from flows import auth, console, prefect_api, sweep
 from flows.errors import USER_ERRORS
 from flows.train import train_flow
 from tasks import validate
@@ -57,6 +58,18 @@ def _stop_unless_launcher_ready(overrides: list[str]) -> None:
         sys.exit(2)
 
 
+def _stop_unless_api_answers() -> None:
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if url:
+        try:
+            prefect_api.check_configured(url)
+        except prefect_api.PrefectUnavailable as e:
+            print(f"loraflow: not started: {e}", file=sys.stderr)
+            sys.exit(prefect_api.EXIT_NO_API)
+
+
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -64,6 +77,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     _stop_on_bad_config()
+    _stop_unless_api_answers()  # a configured PREFECT_API_URL that does not answer: one line, exit 3
     auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
     console.install_signal_handlers()
     console.shield_temporary_server()
@@ -86,8 +100,14 @@ def main() -> None:
             if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its summary lists the member as failed
                 return sweep.member_failed(hc.runtime.output_dir, e)
             console.exit_user_error(e, "stopped" if isinstance(e, StoreFull) else "stopped before training")
+        except prefect_api.PrefectUnavailable as e:  # no temporary server could start: one line, exit 3
+            if hc.mode == RunMode.MULTIRUN:
+                return sweep.member_failed(hc.runtime.output_dir, e)
+            console.exit_no_api(str(e))
         except Exception as e:
             auth.stop_on_auth_failure(e)
+            if (lost := prefect_api.lost_mid_run(e)) and hc.mode != RunMode.MULTIRUN:
+                console.exit_no_api(lost)
             if hc.mode == RunMode.MULTIRUN:
                 return sweep.member_failed(hc.runtime.output_dir, e)
             raise

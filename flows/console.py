@@ -1,6 +1,8 @@
 """What a person at a terminal meets: Ctrl-C / SIGTERM, exit codes, user errors printed once.
 
     exit 2    a user error (data, config, missing model/prompts/store package, store full): one message
+    exit 3    no Prefect API: the temporary server did not start, PREFECT_API_URL does not answer, or the API
+              went away mid-run (flows/prefect_api.py): one message; the store keeps every finished item
     exit 130  stopped by SIGINT (Ctrl-C); 143 by SIGTERM. Finished items and a checkpoint of the last
               finished training step are kept; the same command continues.
 Prefect's temporary API server is started in its own session, so the terminal's Ctrl-C (sent to the
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+from flows import prefect_api
 from tasks.training import interrupt
 
 EXIT_USER_ERROR = 2
@@ -59,6 +62,7 @@ def shield_temporary_server() -> None:
         return server
 
     cls._run_uvicorn_command, cls._loraflow_shielded = in_own_session, True
+    prefect_api.guard_start(cls)  # one start at a time per PREFECT_HOME, a load-scaled timeout, one retry
 
 
 # Stops the server's session once loraflow (its parent) is gone, however it went (after a normal exit the
@@ -109,20 +113,34 @@ class _QuietUserErrors(logging.Filter):
         self.quiet, self.seen = quiet, []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("prefect"):
+        if not record.name.startswith(("prefect", "EventsWorker")):
             return True
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, self.quiet):
             self.seen.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return False
+        if exc is not None and prefect_api.lost_mid_run(exc) or _api_unreachable_noise(record):
+            return False  # the API went away: the CLI says so in one line (flows/prefect_api.py)
         text = record.getMessage()
         return not any(s and s in text for s in self.seen)
+
+
+def _api_unreachable_noise(record: logging.LogRecord) -> bool:
+    """Prefect's background services' lines while the API does not answer (the events websocket, each event it
+    could not send, the batches left): the CLI's one line says it instead."""
+    text = record.getMessage()
+    return any(n in text for n in ("Unable to connect to 'ws://", "Unable to connect to 'wss://",
+                                   "Service 'EventsWorker' failed to process item", "Still processing items"))
 
 
 def quiet_user_errors(quiet: tuple) -> None:
     """Installs the filter on every handler of the root and prefect loggers, and on Prefect's run loggers."""
     filt = _QuietUserErrors(quiet + (interrupt.Interrupted,))
-    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine"):
+    # Prefect's log shipper writes "--- Error logging to API ---" straight to stderr for every batch it could not
+    # send while the API is away, under logging.raiseExceptions (the stdlib's switch for handler errors)
+    logging.raiseExceptions = False
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine",
+                 "prefect._internal.concurrency", "prefect.events.clients", "EventsWorker"):
         logger = logging.getLogger(name)
         logger.addFilter(filt)
         for handler in logger.handlers:
@@ -141,3 +159,9 @@ def exit_user_error(e: BaseException, stopped: str = "stopped before training") 
     print(f"\nloraflow: {stopped}: {e}", file=sys.stderr, flush=True)
     stop_temporary_server()
     sys.exit(EXIT_USER_ERROR)
+
+
+def exit_no_api(message: str) -> None:
+    print(f"\nloraflow: stopped: {message}", file=sys.stderr, flush=True)
+    stop_temporary_server()
+    sys.exit(prefect_api.EXIT_NO_API)
