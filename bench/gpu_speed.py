@@ -1,6 +1,6 @@
 """Issue 45's speed figures: the train node's FLUX.1-dev step per setting, each against bf16 in the same run.
 
-    python -m bench.gpu_speed                 # a CUDA GPU: FLUX.1-dev, 1024 px, rank 16, checkpointing (bench/gpu_speed.json)
+    python -m bench.gpu_speed                 # a CUDA GPU: FLUX.1-dev, 1024 px (bench/gpu_speed.json)
     python -m bench.gpu_speed --tiny          # smoke test: a tiny Flux, any machine (bench/gpu_speed_tiny.json)
     python -m bench.gpu_speed --only bf16,int8+w8a8 --merge bench/gpu_results.json
 
@@ -65,7 +65,8 @@ def build(arch: dict, device, name: str, rank: int):
 
     model, train = SETTINGS[name]
     if train.get("blocks_to_swap"):  # the tiny smoke test's model has fewer blocks: all but one swapped
-        train = {**train, "blocks_to_swap": min(train["blocks_to_swap"], arch["num_layers"] + arch["num_single_layers"] - 1)}
+        blocks = arch["num_layers"] + arch["num_single_layers"]
+        train = {**train, "blocks_to_swap": min(train["blocks_to_swap"], blocks - 1)}
     adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
     cfg = {"model": {"storage_dtype": None, "storage_modulation": False, "quantize": "none", "matmul": "auto", **model},
            "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": True,

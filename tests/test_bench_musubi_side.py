@@ -12,15 +12,15 @@ import sys
 import pytest
 
 
-from bench import musubi_side
+from bench import musubi_settings, musubi_side
 
-REPO = musubi_side.HERE.parent
+REPO = musubi_settings.HERE.parent
 
 
 def test_musubi_and_loraflow_train_the_same_tiny_qwen_image_per_setting(tmp_path):
-    if not (musubi_side.MUSUBI_SRC / "musubi_tuner").is_dir():
+    if not (musubi_settings.MUSUBI_SRC / "musubi_tuner").is_dir():
         # not in the repository: musubi-tuner's hunyuan_model/ follows Tencent's HunyuanVideo license, not Apache-2.0
-        pytest.skip(f"{musubi_side.MUSUBI_SRC.parent} is absent: `bash bench/musubi_source.sh` fetches musubi-tuner")
+        pytest.skip(f"{musubi_settings.MUSUBI_SRC.parent} is absent: `bash bench/musubi_source.sh` fetches musubi-tuner")
     out = tmp_path / "musubi_side.json"
     run = subprocess.run([sys.executable, "-m", "bench.musubi_side", "--tiny", "--settings", "bf16,swap1,fp8",
                           "--rounds", "1", "--steps", "1", "--warmup", "0", "--out", str(out)],
@@ -28,7 +28,7 @@ def test_musubi_and_loraflow_train_the_same_tiny_qwen_image_per_setting(tmp_path
                          timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["family"] == "qwenimage" and result["musubi_commit"] == musubi_side.MUSUBI_COMMIT
+    assert result["family"] == "qwenimage" and result["musubi_commit"] == musubi_settings.MUSUBI_COMMIT
     assert result["complete"]
     rows = {(r["setting"], r["trainer"]): r for r in result["rows"]}
     assert set(rows) == {(s, t) for s in ("bf16", "swap1", "fp8") for t in ("musubi", "loraflow")}
@@ -45,6 +45,6 @@ def test_musubi_and_loraflow_train_the_same_tiny_qwen_image_per_setting(tmp_path
 
 
 def test_without_musubis_source_it_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(musubi_side, "MUSUBI_SRC", tmp_path / ".musubi" / "src")
+    monkeypatch.setattr(musubi_settings, "MUSUBI_SRC", tmp_path / ".musubi" / "src")
     assert musubi_side.main(["--tiny"]) == 2
     assert "bash bench/musubi_source.sh" in capsys.readouterr().err
