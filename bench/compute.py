@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from bench.common import MID_ARCH, MID_RES, MID_SEQ, alternate, median
+from tasks.config import Config
 from tasks.plan import Plan
 
 
@@ -33,15 +34,15 @@ def mid_cfg(data_dir: Path, prompts: Path, store_root: Path, train: dict) -> dic
                  f"data.resolution={MID_RES}", f"model.max_sequence_length={MID_SEQ}",
                  *(f"train.{k}={v}" for k, v in train.items())]
     cfg = resolve_paths(compose("train", overrides)[0])
-    cfg["model"]["arch"] = dict(MID_ARCH)  # the dict-valued key, set on the composed config
+    cfg.model.arch = dict(MID_ARCH)  # the dict-valued key, set on the composed config
     return cfg
 
 
-def plan_for(cfg: dict):
+def plan_for(cfg: Config):
     from tasks import validate
     from tasks.store import Store
 
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     return validate.run(cfg, store), store
 
 
@@ -51,7 +52,7 @@ def paired_ratios(runs: dict) -> list[float]:
 
 
 # -- figure 1: latent caching ------------------------------------------------------------------------------
-def cache_latents_seconds(cfg: dict, plan: Plan, store, result: dict) -> float:
+def cache_latents_seconds(cfg: Config, plan: Plan, store, result: dict) -> float:
     """Seconds of one `cache_latents.run` into an empty latents kind: every item computed and written (also
     bench/video_cache.py's side). `result["items"]` gets the run's latent keys."""
     from tasks import cache_latents
@@ -65,7 +66,7 @@ def cache_latents_seconds(cfg: dict, plan: Plan, store, result: dict) -> float:
     return dt
 
 
-def bench_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
+def bench_latents(cfg: Config, plan: Plan, store, scratch: Path, reps: int) -> dict:
     from diffusers import AutoencoderKL
 
     images = [it["image"] for it in plan.items]
@@ -84,7 +85,7 @@ def bench_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dic
         # on the device and in the dtype ours uses (model.dtype; CUDA when there is one: bench/gpu.py)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", use_safetensors=True,
-                                            dtype=getattr(torch, cfg["model"]["dtype"])).to(device).eval()
+                                            dtype=getattr(torch, cfg.model.dtype)).to(device).eval()
         with torch.no_grad():
             for i, path in enumerate(images):
                 img = Image.open(path).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
@@ -116,13 +117,13 @@ def distinct_texts(plan: Plan) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
-def bench_text(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
+def bench_text(cfg: Config, plan: Plan, store, scratch: Path, reps: int) -> dict:
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
     from tasks import cache_text
 
     texts = distinct_texts(plan)
-    model_dir, max_len = plan.model_dir, cfg["model"]["max_sequence_length"]
+    model_dir, max_len = plan.model_dir, cfg.model.max_sequence_length
     result = {}
 
     def ours() -> float:
@@ -178,7 +179,7 @@ class _StepTimes(logging.Handler):
             self.times.append(time.perf_counter())
 
 
-def bench_train(cfg: dict, plan: Plan, store, latent_keys: dict, text_keys: dict, reps: int, warm_steps: int) -> dict:
+def bench_train(cfg: Config, plan: Plan, store, latent_keys: dict, text_keys: dict, reps: int, warm_steps: int) -> dict:
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from peft import LoraConfig
 
@@ -186,10 +187,10 @@ def bench_train(cfg: dict, plan: Plan, store, latent_keys: dict, text_keys: dict
     from tasks.models import make_adapter
     from tasks.training.memory import lora_targets
 
-    tc = cfg["train"]
-    steps, bs, rank = tc["max_steps"], tc["batch_size"], tc["rank"]
-    assert tc["log_every"] == 1 and steps > warm_steps + 1
-    targets = lora_targets(tc, make_adapter(cfg["model"], plan.model_dir))
+    tc = cfg.train
+    steps, bs, rank = tc.max_steps, tc.batch_size, tc.rank
+    assert tc.log_every == 1 and steps > warm_steps + 1
+    targets = lora_targets(tc, make_adapter(cfg.model, plan.model_dir))
     names = [it["name"] for it in plan.items]
 
     handler = _StepTimes()
@@ -216,19 +217,19 @@ def bench_train(cfg: dict, plan: Plan, store, latent_keys: dict, text_keys: dict
     texts = [load_file(str(store.get_path(cache_text.KIND, text_keys[f"caption:{n}"]))) for n in names]
 
     def bare() -> list[float]:
-        torch.manual_seed(tc["seed"])
-        g = torch.Generator().manual_seed(tc["seed"])
+        torch.manual_seed(tc.seed)
+        g = torch.Generator().manual_seed(tc.seed)
         model = FluxTransformer2DModel.from_pretrained(plan.model_dir, subfolder="transformer",
                                                        use_safetensors=True)
         model.requires_grad_(False)
         model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets))
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"])
+        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         model.train()
         c, hh, ww = latents[0].shape
         img_ids = FluxPipeline._prepare_latent_image_ids(bs, hh // 2, ww // 2, "cpu", torch.float32)
         txt_ids = torch.zeros(texts[0]["prompt_embeds"].shape[0], 3)
-        guidance = torch.full((bs,), float(tc["guidance"]))
+        guidance = torch.full((bs,), float(tc.guidance))
         times, order = [], []
         for step in range(steps):
             t = time.perf_counter()
@@ -247,7 +248,7 @@ def bench_train(cfg: dict, plan: Plan, store, latent_keys: dict, text_keys: dict
                          encoder_hidden_states=emb, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
             loss = torch.nn.functional.mse_loss(pred, target)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, tc["max_grad_norm"])
+            torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss.item()

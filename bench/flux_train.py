@@ -9,6 +9,9 @@ import statistics
 import time
 from pathlib import Path
 
+from tasks.config import config_of
+from tasks.config_schema import TrainConfig
+
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 
@@ -25,8 +28,9 @@ LABELS = {"bf16": "bf16, no checkpointing", "bf16+ckpt": "bf16 + gradient checkp
           "fp8+ckpt": "fp8 base + gradient checkpointing",
           "fp8-all+ckpt": "fp8 base incl. modulation + gradient checkpointing"}
 # The train node's flow-matching settings (conf/train defaults; tasks/config.py TrainConfig).
-TRAIN_CFG = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
-                 optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
+TRAIN_SETTINGS = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0,
+                      optimizer="adamw", lr=1e-4, weight_decay=0.0, max_grad_norm=1.0)
+TRAIN_CFG = TrainConfig(**TRAIN_SETTINGS)
 def random_model(cls, arch: dict, device):
     """`cls(**arch)` with random bf16 weights made on `device` (meta: shapes only): no file, no fp32 copy anywhere."""
     import torch
@@ -52,8 +56,8 @@ def build(arch: dict, device, fp8: bool, ckpt: bool, rank: int, modulation: bool
             return random_model(FluxTransformer2DModel, arch, device)
 
     adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
-    cfg = {"model": {"storage_dtype": "float8_e4m3fn" if fp8 else None, "storage_modulation": modulation},
-           "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": ckpt}}
+    cfg = config_of({"model": {"storage_dtype": "float8_e4m3fn" if fp8 else None, "storage_modulation": modulation},
+                     "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": ckpt}})
     denoiser, named = prepare_denoiser(adapter, cfg)
     denoiser.train()
     return adapter, denoiser, list(named.values())
@@ -67,7 +71,7 @@ def train_step(adapter, model, params, opt, scheduler, latents, text, generators
     with torch.autocast(latents.device.type, dtype=torch.bfloat16):
         loss = adapter.training_loss(model, latents, text, TRAIN_CFG, scheduler, generators)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG["max_grad_norm"])
+    torch.nn.utils.clip_grad_norm_(params, TRAIN_CFG.max_grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss

@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # the training setup, shared with the units, the bare loops and bench.memory (re-exported for callers)
-from bench.flux_train import (CONFIGS, FLUX_DEV, LABELS, TINY, TRAIN_CFG, build, bytes_by_dtype, inputs,  # noqa: E402,F401
+from bench.flux_train import (CONFIGS, FLUX_DEV, LABELS, TINY, TRAIN_CFG, TRAIN_SETTINGS, build, bytes_by_dtype, inputs,  # noqa: E402,F401
                               run_config, train_step)
 GIB = 1 << 30
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "config": {"tiny": args.tiny, "arch": arch, "resolution": args.resolution, "text_len": args.text_len,
                       "batch": args.batch, "rank": args.rank, "steps": args.steps, "warmup": args.warmup,
-                      "train": TRAIN_CFG, "prepared_by": "tasks.training.train_setup.prepare_denoiser",
+                      "train": TRAIN_SETTINGS, "prepared_by": "tasks.training.train_setup.prepare_denoiser",
                       "loss": "tasks.models.flux.FluxAdapter.training_loss", "autocast": "bf16"},
            "details": results, "total_seconds": time.perf_counter() - t0}
     out_path.write_text(json.dumps(doc, indent=1, default=str))

@@ -30,6 +30,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     from peft import LoraConfig
 
     from bench.flux_train import TRAIN_CFG, build, inputs, train_step
+    from tasks.config_schema import TrainConfig
     from tasks.training.memory import lora_targets
     from tasks.training.train_setup import make_optimizer
 
@@ -37,7 +38,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     # prepare_denoiser turned cuDNN's fused attention off (it crashed here); the bare loop runs with the same
     # attention kernels, so the two differ only in the code around them
     assert not torch.backends.cuda.cudnn_sdp_enabled()
-    targets = lora_targets({"target_modules": None}, adapter)  # the Flux adapter's default, as ours
+    targets = lora_targets(TrainConfig(target_modules=None), adapter)  # the Flux adapter's default, as ours
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -54,7 +55,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
     bare.train()
     latents, text = inputs(arch, resolution, text_len, 1, device)
     ours_opt = make_optimizer(TRAIN_CFG, ours_params)
-    bare_opt = torch.optim.AdamW(bare_params, lr=TRAIN_CFG["lr"], weight_decay=TRAIN_CFG["weight_decay"])
+    bare_opt = torch.optim.AdamW(bare_params, lr=TRAIN_CFG.lr, weight_decay=TRAIN_CFG.weight_decay)
     scheduler = FlowMatchEulerDiscreteScheduler()
     b, c, h, w = latents.shape
     img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, torch.bfloat16)
@@ -77,7 +78,7 @@ def train_step_vs_bare(arch: dict, device, rank: int, resolution: int, text_len:
                         txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target.float())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(bare_params, TRAIN_CFG["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(bare_params, TRAIN_CFG.max_grad_norm)
         bare_opt.step()
         bare_opt.zero_grad(set_to_none=True)
         return loss
@@ -117,8 +118,8 @@ def latents_vs_bare(work: Path, images: int, resolution: int, reps: int) -> dict
     cfg = resolve_paths(compose("train", [f"data.dir={data}", f"sample.prompts_file={prompts}",
                                           f"store.root={work / 'store'}", f"data.resolution={resolution}",
                                           "model.dtype=bfloat16"])[0])
-    cfg["model"]["arch"] = dict(FLUX_VAE)
-    store = Store(cfg["store"]["root"])
+    cfg.model.arch = dict(FLUX_VAE)
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     r = bench_latents(cfg, plan, store, work / "scratch", reps)
     r.pop("latent_keys", None)

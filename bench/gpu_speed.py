@@ -57,7 +57,7 @@ def build(arch: dict, device, name: str, rank: int):
     from tasks.training import w8a8
     from tasks.training.compiled_blocks import compile_blocks, matmul_path
     from tasks.training.train_setup import prepare_denoiser
-    from tasks.config import stored_as
+    from tasks.config import config_of, stored_as
 
     class RandomFlux(FluxAdapter):
         def load_denoiser(self):
@@ -68,13 +68,14 @@ def build(arch: dict, device, name: str, rank: int):
         blocks = arch["num_layers"] + arch["num_single_layers"]
         train = {**train, "blocks_to_swap": min(train["blocks_to_swap"], blocks - 1)}
     adapter = RandomFlux(HERE, "bfloat16")  # (no model folder is read)
-    cfg = {"model": {"storage_dtype": None, "storage_modulation": False, "quantize": "none", "matmul": "auto", **model},
-           "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
-                     "blocks_to_swap": 0, **train}}
+    cfg = config_of({"model": {"storage_dtype": None, "storage_modulation": False, "quantize": "none", "matmul": "auto",
+                               **model},
+                     "train": {"rank": rank, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
+                               "blocks_to_swap": 0, **train}})
     denoiser, named = prepare_denoiser(adapter, cfg, stream=False)
     denoiser.train()
     compiled = compile_blocks(denoiser, adapter.swap_blocks) if train.get("compile") else 0
-    runtime = {"matmul": matmul_path(stored_as(cfg["model"]), "bfloat16", w8a8.resolve(cfg["model"])),
+    runtime = {"matmul": matmul_path(stored_as(cfg.model), "bfloat16", w8a8.resolve(cfg.model)),
                "compiled_blocks": compiled, "blocks_to_swap": train.get("blocks_to_swap", 0)}
     return adapter, denoiser, list(named.values()), runtime
 

@@ -24,6 +24,7 @@ tests/test_bench_host_memory.py runs it on `SMALL_ARCH`.
 """
 from __future__ import annotations
 
+from tasks.config import Config
 import argparse
 import json
 import os
@@ -57,16 +58,16 @@ def config(work: Path, arch: dict, steps: int, seed: int = 0) -> dict:
     cfg = resolve_paths(compose("train", [
         f"model={MODEL}", f"store.root={work / 'store'}", f"train.max_steps={steps}", "train.batch_size=2",
         f"train.seed={seed}", "train.log_with=none", "sample.every_n_steps=0"])[0])
-    cfg["model"]["arch"] = dict(arch)  # the dict-valued key, set on the composed config (as bench/compute.py)
+    cfg.model.arch = dict(arch)  # the dict-valued key, set on the composed config (as bench/compute.py)
     return cfg
 
 
-def cached_nodes(cfg: dict):
+def cached_nodes(cfg: Config):
     """validate, cache_latents, cache_text as the flow runs them: (plan, store, latent keys, text keys, computed)."""
     from tasks import cache_latents, cache_text, validate
     from tasks.store import Store
 
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     return plan, store, lat["items"], txt["items"], lat["computed"] + txt["computed"]
@@ -101,12 +102,12 @@ def measure(mode: str, work: Path, arch: dict, steps: int) -> dict:
         return {"components_mib": component_mib(Path(plan.model_dir)), "cached": computed}
     held = []
     if mode == "train+encoders":
-        adapter = make_adapter(cfg["model"], plan.model_dir)
+        adapter = make_adapter(cfg.model, plan.model_dir)
         held = [adapter.load_vae(), adapter.load_text_encoders()]
         for module in [held[0], *(m for m in vars(held[1]).values() if isinstance(m, torch.nn.Module))]:
             for w in module.state_dict().values():  # memory-mapped until read: read once, as encoding would
                 w.sum()
-    cls, calls = adapter_class(cfg["model"]["family"]), {"load_vae": 0, "load_text_encoders": 0}
+    cls, calls = adapter_class(cfg.model.family), {"load_vae": 0, "load_text_encoders": 0}
     for name in calls:
         setattr(cls, name, _counted(getattr(cls, name), calls, name))
     trained = 0

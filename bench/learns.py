@@ -205,7 +205,7 @@ def train_nodes(model: str, root: Path, settings: dict | None = None) -> tuple[P
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     lora = train.run(cfg, plan, store, lat["items"], txt["items"])
-    if cfg["train"]["network"] in ("loha", "lokr"):
+    if cfg.train.network in ("loha", "lokr"):
         return Path(plan.model_dir), {"lycoris": publish.lycoris_file(cfg, plan, store, lora)}
     files = {"diffusers": publish.diffusers_file(store, lora), "kohya": publish.kohya_file(cfg, plan, store, lora)}
     return Path(plan.model_dir), files

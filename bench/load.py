@@ -130,14 +130,15 @@ def run_row(name: str, kind: str, path: str, root: Path) -> dict:
 
     import torch
 
+    from tasks.config import config_of
     from tasks.training.train_setup import prepare_denoiser
 
     _, _, ref = models()[name]
     module, cls = ref.split(":")
     adapter = getattr(importlib.import_module(module), cls)(root / name, "bfloat16", 512)
-    cfg = {"model": {"family": adapter.family, "dtype": "bfloat16", "quantize": kind, "storage_dtype": None,
-                     "storage_modulation": False},
-           "train": {"rank": 16, "alpha": None, "target_modules": None, "gradient_checkpointing": True}}
+    cfg = config_of({"model": {"family": adapter.family, "dtype": "bfloat16", "quantize": kind, "storage_dtype": None,
+                               "storage_modulation": False},
+                     "train": {"rank": 16, "alpha": None, "target_modules": None, "gradient_checkpointing": True}})
     base_rss = _status("VmRSS")
     t = time.perf_counter()
     denoiser, lora = prepare_denoiser(adapter, cfg, stream=path == "stream")

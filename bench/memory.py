@@ -89,13 +89,14 @@ def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: boo
     """tasks.training.memory.estimate for the same configuration, as the validate node computes it."""
     from diffusers import FluxTransformer2DModel
 
+    from tasks.config import config_of
     from tasks.training.memory import estimate
     from tasks.models.flux import FluxAdapter
 
-    cfg = {"model": {"dtype": "bfloat16", "storage_dtype": "float8_e4m3fn" if fp8 else None,
-                     "storage_modulation": modulation, "max_sequence_length": text_len},
-           "train": {"rank": rank, "batch_size": 1, "optimizer": optimizer, "mixed_precision": "bf16",
-                     "gradient_checkpointing": ckpt}}
+    cfg = config_of({"model": {"dtype": "bfloat16", "storage_dtype": "float8_e4m3fn" if fp8 else None,
+                               "storage_modulation": modulation, "max_sequence_length": text_len},
+                     "train": {"rank": rank, "batch_size": 1, "optimizer": optimizer, "mixed_precision": "bf16",
+                               "gradient_checkpointing": ckpt}})
     return estimate(cfg, folder, "transformer", FluxAdapter.LORA_TARGETS, (resolution, resolution),
                     text_len, FluxTransformer2DModel)
 

@@ -110,7 +110,7 @@ def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 5
     adapter, cls, _ = random_adapter(model, torch.device("meta"))
     size, frames = geometry(model, resolution)
     cfg = train_config(parse(options), text_len, rank, frames)
-    return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg["train"], adapter),
+    return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg.train, adapter),
                     size, text_len, cls, adapter.swap_blocks)
 
 
@@ -178,7 +178,7 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
 
     def total(options):
         cfg = train_config(parse(options), text_len, rank, frames)
-        return estimate(cfg, head, "transformer", lora_targets(cfg["train"], adapter), size,
+        return estimate(cfg, head, "transformer", lora_targets(cfg.train, adapter), size,
                         text_len, cls, adapter.swap_blocks)["total_gb"]
 
     n_blocks = len(block_order(header_shapes(head / "transformer"), adapter.swap_blocks))

@@ -14,6 +14,7 @@ element), and the fake run adds it at each upcast of a weight stored that way (`
 kernel workspaces (cuBLAS's, a few MiB), the CUDA context and allocator fragmentation."""
 from __future__ import annotations
 
+from tasks.config_schema import TrainConfig
 import contextlib
 import functools
 import weakref
@@ -163,7 +164,7 @@ def host_offload(tracker: LivePeak):
         activation_offload.save_on_cpu = original
 
 
-def step_peak(adapter, model, params, latents, text, scheduler, tracker: LivePeak, train_cfg: dict) -> dict:
+def step_peak(adapter, model, params, latents, text, scheduler, tracker: LivePeak, train_cfg: TrainConfig) -> dict:
     """One training step as bench.gpu.train_step takes it (bf16 autocast, backward with the checkpoint recomputes,
     gradient clipping, AdamW, zero_grad), in steady state: the optimizer's moments exist before it (a first step
     makes them). The base weights are ignored (the caller adds their stored bytes); the LoRA and the moments held."""
@@ -190,7 +191,7 @@ def step_peak(adapter, model, params, latents, text, scheduler, tracker: LivePea
         loss.backward()
         del loss
         tracker.phase = "optimizer"
-        torch.nn.utils.clip_grad_norm_(params, train_cfg["max_grad_norm"], foreach=True)
+        torch.nn.utils.clip_grad_norm_(params, train_cfg.max_grad_norm, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
     out = tracker.summary()

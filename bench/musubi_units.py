@@ -20,6 +20,7 @@ from bench.musubi_settings import (
     FAMILY_FLAGS, HERE, KONTEXT_TARGETS, MUSUBI_FLAGS, MusubiMissing, QWEN_TARGETS, RANK, Setting,
     loraflow_inputs, musubi_batch,
 )
+from tasks.config import config_of
 
 
 # -- musubi-tuner ------------------------------------------------------------------------------------------------
@@ -262,10 +263,10 @@ class LoraflowUnit:
                 return random_model(cls, arch, device)
 
         over = setting.loraflow_overrides(swap)
-        cfg = {"model": {"storage_dtype": None, "storage_modulation": False, "quantize": "none", "matmul": "auto",
-                         **over["model"]},
-               "train": {"rank": RANK, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
-                         "blocks_to_swap": 0, **over["train"]}}
+        cfg = config_of({"model": {"storage_dtype": None, "storage_modulation": False, "quantize": "none",
+                                   "matmul": "auto", **over["model"]},
+                         "train": {"rank": RANK, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
+                                   "blocks_to_swap": 0, **over["train"]}})
         self.adapter = Random(HERE, "bfloat16")  # (no model folder is read)
         self.model, named = prepare_denoiser(self.adapter, cfg, stream=False)
         self.model.train()
@@ -276,7 +277,7 @@ class LoraflowUnit:
         self.lora_params = sum(p.numel() for p in self.params)
         overrides = [f"{s}.{k}={v}" for s in ("model", "train") for k, v in over[s].items()]
         self.info = {"loraflow_overrides": " ".join(overrides),
-                     "matmul": w8a8.resolve(cfg["model"]) if setting.fp8 else None}
+                     "matmul": w8a8.resolve(cfg.model) if setting.fp8 else None}
 
     def loss(self, step: int):
         import torch

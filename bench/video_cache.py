@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from tasks.config import Config
 from tasks.plan import Plan
 
 
@@ -76,7 +77,7 @@ def video_cfg(data_dir: Path, store_root: Path, frames: int, size: int, arch: di
     cfg = resolve_paths(compose("train", [
         "model=tiny_wan", f"data.dir={data_dir}", f"store.root={store_root}", f"data.resolution={size}",
         f"data.frames={frames}", "data.fps=null", f"sample.prompts_file={prompts}"])[0])
-    cfg["model"]["arch"] = dict(arch)  # the dict-valued key, set on the composed config (as bench.compute.mid_cfg)
+    cfg.model.arch = dict(arch)  # the dict-valued key, set on the composed config (as bench.compute.mid_cfg)
     return cfg
 
 
@@ -118,7 +119,7 @@ def bare_latents(model_dir, clips: list, frames: int, size, dtype: str, out: Pat
     return zs
 
 
-def bench_video_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) -> dict:
+def bench_video_latents(cfg: Config, plan: Plan, store, scratch: Path, reps: int) -> dict:
     """ours and bare alternated over the plan's clips: seconds per repetition, medians, ratio bare / ours."""
     from bench.common import alternate, median
     from bench.compute import paired_ratios, cache_latents_seconds
@@ -131,7 +132,7 @@ def bench_video_latents(cfg: dict, plan: Plan, store, scratch: Path, reps: int) 
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         t = time.perf_counter()
-        bare_latents(plan.model_dir, clips, frames, plan.size, cfg["model"]["dtype"], out)
+        bare_latents(plan.model_dir, clips, frames, plan.size, cfg.model.dtype, out)
         dt = time.perf_counter() - t
         shutil.rmtree(out, ignore_errors=True)
         return dt
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     res.pop("latent_keys")
     machine = {**common.machine_info(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
                **{k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}}
-    out = {**res, "machine": machine, "fps": args.fps, "vae_arch": arch, "dtype": cfg["model"]["dtype"],
+    out = {**res, "machine": machine, "fps": args.fps, "vae_arch": arch, "dtype": cfg.model.dtype,
            "goal": ">= 0.95", "meets": res["ratio"] >= 0.95, "bare_writes": "safetensors.save_file per clip",
            "versions": common.versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "total_seconds": time.perf_counter() - clock0}

@@ -22,7 +22,7 @@ import sys
 
 from flows.errors import USER_ERRORS
 from tasks import cache_latents, cache_text, sample, train, validate
-from tasks.config import compose, resolve_paths
+from tasks.config import Config, compose, resolve_paths
 from tasks.store.hashing import changed_inputs, key_of
 from tasks.report import NODES
 from tasks.store.remote_store import open_store
@@ -46,12 +46,12 @@ def _items(store: Store, kind: str, keys) -> tuple[int, int]:
     return len(distinct) - reuse, reuse
 
 
-def _continuation(store: Store, cfg: dict, node_inputs: dict) -> int:
+def _continuation(store: Store, cfg: Config, node_inputs: dict) -> int:
     """The step a training run would continue from (0: from scratch); read-only."""
-    tc = cfg["train"]
-    if tc["resume"] != "auto":
+    tc = cfg.train
+    if tc.resume != "auto":
         return 0
-    return train.latest_checkpoint(store, train.trajectory_key(node_inputs, tc), int(tc["max_steps"]), discard=False)
+    return train.latest_checkpoint(store, train.trajectory_key(node_inputs, tc), int(tc.max_steps), discard=False)
 
 
 def _entry(compute: int, reuse: int, before: dict | None, after: dict, **extra) -> dict:
@@ -64,7 +64,7 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
     of `config_name`. Raises the run's user errors (ConfigError, DatasetError, FileNotFoundError)."""
     cfg_node, _run_dir = compose(config_name, overrides)  # hydra.run.dir is accepted and ignored
     cfg = resolve_paths(cfg_node)
-    store = open_store(cfg["store"])
+    store = open_store(cfg.store)
     record = store.read_record(config_name)
     previous = (record or {}).get("inputs", {})
 

@@ -14,6 +14,7 @@ are stamped with the flow run's id.
 """
 from __future__ import annotations
 
+from tasks.config import Config
 import contextvars
 import functools
 import logging
@@ -84,13 +85,13 @@ def log_to_file(run_dir: Path) -> Path | None:
     return path
 
 
-def log_nodes(nodes: dict, cfg: dict | None = None) -> None:
+def log_nodes(nodes: dict, cfg: Config | None = None) -> None:
     """One line per node of the report: status, items computed and reused, seconds, and what changed since
     the last run of this config (the caption file, the prompt line)."""
     from tasks.report import readable_changes
 
     for name, e in nodes.items():
-        changed = (f"; changed: {readable_changes(e['changed'], cfg['sample']['prompts_file'], cfg['data']['caption_extension'])}"
+        changed = (f"; changed: {readable_changes(e['changed'], cfg.sample.prompts_file, cfg.data.caption_extension)}"
                    if e.get("changed") and cfg else "")
         logging.getLogger(LOGGER).info("%-13s %-6s %d computed, %d reused, %.1f s%s", name + ":", e.get("status", ""),
                                        e.get("computed", 0), e.get("reused", 0), e.get("seconds", 0.0), changed)

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import sample_point_artifact
 from tasks import cache_latents, cache_text, learning, sample, train, validate
+from tasks.config import Config, as_plain
 from tasks.plan import Plan
 from tasks.store.hashing import key_of
 from tasks.store.remote_store import open_store
@@ -58,49 +59,49 @@ def _kept(store, result: dict) -> dict:
 
 def _node_key(context, parameters) -> str:
     # The store (root and local working copy) is part of it: a cached result names files in that store.
-    return f"{context.task.name}-{parameters['key']}-{key_of(parameters['cfg']['store'])[:16]}"
+    return f"{context.task.name}-{parameters['key']}-{key_of(as_plain(parameters['cfg'].store))[:16]}"
 
 
 _cached = dict(cache_key_fn=_node_key, persist_result=True, result_serializer="json")
 
 
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)
-def validate_task(cfg: dict) -> dict:
+def validate_task(cfg: Config) -> dict:
     # Never cached by Prefect: this is the node that looks at the files to find what changed.
-    return validate.run(cfg, open_store(cfg["store"]))
+    return validate.run(cfg, open_store(cfg.store))
 
 
 # Each takes the plan's key and its upstream nodes' result keys, and returns {"result": key}.
 @task(name="cache_latents", **_cached)
-def cache_latents_task(key: str, cfg: dict, plan: str) -> dict:
-    store = open_store(cfg["store"])
+def cache_latents_task(key: str, cfg: Config, plan: str) -> dict:
+    store = open_store(cfg.store)
     return _kept(store, cache_latents.run(cfg, load_plan(store, plan), store))
 
 
 @task(name="cache_text", **_cached)
-def cache_text_task(key: str, cfg: dict, plan: str) -> dict:
-    store = open_store(cfg["store"])
+def cache_text_task(key: str, cfg: Config, plan: str) -> dict:
+    store = open_store(cfg.store)
     return _kept(store, cache_text.run(cfg, load_plan(store, plan), store))
 
 
 @task(name="train", **_cached)
-def train_task(key: str, cfg: dict, plan: str, latents: str, texts: str, run_dir: str | None = None) -> dict:
+def train_task(key: str, cfg: Config, plan: str, latents: str, texts: str, run_dir: str | None = None) -> dict:
     # run_dir (where TensorBoard logs and live samples go) is not part of the key: it changes no artifact.
-    store = open_store(cfg["store"])
+    store = open_store(cfg.store)
     latent_keys, text_keys = load(store, RESULTS, latents)["items"], load(store, RESULTS, texts)["items"]
     return _kept(store, train.run(cfg, load_plan(store, plan), store, latent_keys, text_keys,
                                 run_dir and Path(run_dir), on_samples=[sample_point_artifact]))
 
 
 @task(name="sample", **_cached)
-def sample_task(key: str, cfg: dict, plan: str, lora: str, texts: str) -> dict:
-    store = open_store(cfg["store"])
+def sample_task(key: str, cfg: Config, plan: str, lora: str, texts: str) -> dict:
+    store = open_store(cfg.store)
     trained = load(store, RESULTS, lora)
     return _kept(store, sample.run(cfg, load_plan(store, plan), store, trained["key"], trained["lora"],
                                  load(store, RESULTS, texts)["items"]))
 
 
 @task(name="learning", cache_policy=NO_CACHE, persist_result=False)
-def learning_task(cfg: dict, model_dir: str, lora_file: str, run_dir: str) -> dict:
+def learning_task(cfg: Config, model_dir: str, lora_file: str, run_dir: str) -> dict:
     # learning.scorer (the demo): base vs LoRA on the generated world's prompts; renders a few dozen tiny images.
     return learning.run(cfg, Path(model_dir), Path(lora_file), Path(run_dir))

@@ -21,6 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows import shards
+from tasks.config import Config
+from tasks.config_schema import RunnerConfig
 from tasks.plan import Plan
 from tasks.store.remote_store import open_store
 
@@ -74,35 +76,35 @@ def _with_fault(store, node: str):
 
 @task(name="cache_shard", cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=1,
       retry_condition_fn=_not_a_user_error)
-def cache_shard(node: str, cfg: dict, plan: str, keys: list[str]) -> dict:
+def cache_shard(node: str, cfg: Config, plan: str, keys: list[str]) -> dict:
     """`plan`: its key in the store (every worker reads it there, once)."""
     from flows.nodes import load_plan
 
-    store = _with_fault(open_store(cfg["store"]), node)
+    store = _with_fault(open_store(cfg.store), node)
     computed = shards.compute_shard(node, cfg, load_plan(store, plan), store, keys)
     store.save_indexes()
     return {"worker": _worker_address(), "computed": computed}
 
 
-def task_runner(rc: dict):
+def task_runner(rc: RunnerConfig):
     from prefect_dask import DaskTaskRunner
 
-    if rc["address"]:
-        return DaskTaskRunner(address=rc["address"])
+    if rc.address:
+        return DaskTaskRunner(address=rc.address)
     return DaskTaskRunner(cluster_class="distributed.LocalCluster",
-                          cluster_kwargs={"n_workers": int(rc["n_workers"]), "threads_per_worker": 1,
+                          cluster_kwargs={"n_workers": int(rc.n_workers), "threads_per_worker": 1,
                                           "processes": True, "dashboard_address": None})
 
 
 @contextlib.contextmanager
-def _api_for_workers(rc: dict):
+def _api_for_workers(rc: RunnerConfig):
     """The shard tasks report to this run's Prefect API. A LocalCluster's workers inherit the environment
     it is started with, so PREFECT_API_URL names the API this flow uses (the CLI's temporary one included);
     without it each worker would start a temporary API of its own. Workers of an existing cluster
     (runner.address) need PREFECT_API_URL of a server they can reach, set where they were started."""
     from prefect.client.orchestration import get_client
 
-    if rc["address"]:
+    if rc.address:
         yield
         return
     with get_client(sync_client=True) as client:
@@ -118,15 +120,15 @@ def _api_for_workers(rc: dict):
             os.environ["PREFECT_API_URL"] = before
 
 
-def fill_on_dask(cfg: dict, plan: Plan, plan_key: str, store) -> dict[str, dict]:
+def fill_on_dask(cfg: Config, plan: Plan, plan_key: str, store) -> dict[str, dict]:
     """Computes both caching nodes' missing items on the cluster; per node {"workers": {worker address: items
     computed}, "seconds"}."""
-    rc = cfg["runner"]
+    rc = cfg.runner
     missing = {node: shards.missing_keys(node, cfg, plan, store) for node in shards.NODES}
-    todo = {node: shards.split(keys, rc["n_workers"], rc["shard_size"]) for node, keys in missing.items()}
+    todo = {node: shards.split(keys, rc.n_workers, rc.shard_size) for node, keys in missing.items()}
     if not any(todo.values()):
         return {node: {"workers": {}, "seconds": 0.0, "computed": 0} for node in todo}
-    where = rc["address"] or f"a local cluster of {rc['n_workers']} worker(s)"
+    where = rc.address or f"a local cluster of {rc.n_workers} worker(s)"
     log.info("runner: %s shard(s) on %s", ", ".join(f"{len(s)} {n}" for n, s in todo.items()), where)
     start = time.perf_counter()
     with _api_for_workers(rc), task_runner(rc) as runner:

@@ -7,6 +7,7 @@ finished items, and the shard run again computes only the rest."""
 from __future__ import annotations
 
 from tasks import cache_latents, cache_text
+from tasks.config import Config
 from tasks.plan import Plan
 from tasks.store import Store
 
@@ -15,7 +16,7 @@ NODES = {"cache_latents": cache_latents, "cache_text": cache_text}
 _MODELS: dict = {}  # this worker process's VAE / text encoders, loaded by its first shard
 
 
-def missing_keys(node: str, cfg: dict, plan: Plan, store: Store) -> list[str]:
+def missing_keys(node: str, cfg: Config, plan: Plan, store: Store) -> list[str]:
     """The node's distinct item keys that the store does not hold (valid), in plan order."""
     module = NODES[node]
     return [k for k in dict.fromkeys(module.item_keys(cfg, plan).values()) if not store.valid(module.KIND, k)]
@@ -30,7 +31,7 @@ def split(keys: list[str], n_workers: int, shard_size: int | None = None) -> lis
     return [keys[i:i + size] for i in range(0, len(keys), size)]
 
 
-def compute_shard(node: str, cfg: dict, plan: Plan, store: Store, keys: list[str]) -> int:
+def compute_shard(node: str, cfg: Config, plan: Plan, store: Store, keys: list[str]) -> int:
     """Computes the shard's items that are still missing (a retried shard skips what it finished); returns
     how many it computed."""
     return NODES[node].run(cfg, plan, store, only=set(keys), models=_MODELS)["computed"]

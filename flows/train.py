@@ -75,7 +75,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
     log_to_file(run_dir)
     repaired = track_repairs()  # every corrupt entry/record found (and recomputed) in this run, for the report
-    store = open_store(cfg["store"])
+    store = open_store(cfg.store)
     previous = (store.read_record(config_name) or {}).get("inputs", {})
 
     start = time.perf_counter()
@@ -88,7 +88,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     # The tasks get the plan's key: Prefect never walks 100,000 items. The memory estimate (free RAM now) is
     # for the report only: left out, the same dataset and config give the same plan entry run after run.
     plan_key = keep(store, PLANS, plan.stored())
-    workers = fill_on_dask(cfg, plan, plan_key, store) if cfg["runner"]["name"] == "dask" else None
+    workers = fill_on_dask(cfg, plan, plan_key, store) if cfg.runner.name == "dask" else None
     latents = _run(cache_latents_task, store, key=cache_latents.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
     texts = _run(cache_text_task, store, key=cache_text.key_of_node(cfg, plan), cfg=cfg, plan=plan_key)
     for node, result in (("cache_latents", latents), ("cache_text", texts)):  # report: who computed what
@@ -106,7 +106,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = assemble(config_name, results, previous, plan, lora, texts, artifacts, run_dir, repaired)
-    if cfg["learning"]["scorer"]:  # the demo: base vs LoRA, scored (samples/before_after.png)
+    if cfg.learning.scorer:  # the demo: base vs LoRA, scored (samples/before_after.png)
         report["learning"] = learning_task(cfg, plan.model_dir, artifacts["lora_files"].get("diffusers")
                                            or artifacts["lora"], str(run_dir))
         report["artifacts"]["before_after"] = report["learning"].pop("before_after")

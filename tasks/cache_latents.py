@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from PIL import Image, ImageOps
-
-from tasks.config import ConfigError
+from tasks.config import Config, ConfigError
 from tasks.data import clips, controls, masks, video
 from tasks.data.images import image_to_tensor_and_geometry, read_image
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
@@ -18,18 +16,19 @@ from tasks.store.hashing import key_of
 
 
 torch = lazy("torch")
+Image, ImageOps = lazy("PIL.Image"), lazy("PIL.ImageOps")  # a no-op run decodes no image
 
 CODE_VERSION = "1"
 KIND = "latents"
 log = logging.getLogger("loraflow")
 
 
-def params(cfg: dict, plan: Plan) -> dict:
+def params(cfg: Config, plan: Plan) -> dict:
     """Everything besides the image bytes that determines a latent."""
     version = adapter_class(plan.family).latent_version  # the family's own, once set (SDXL: size ids stored)
-    settings = make_adapter(cfg["model"], plan.model_dir).latent_settings()  # e.g. the VAE's compute dtype
+    settings = make_adapter(cfg.model, plan.model_dir).latent_settings()  # e.g. the VAE's compute dtype
     return {"node": "cache_latents", "code": CODE_VERSION, "vae": plan.ids["vae"], "size": plan.size,
-            "resize": "cover+center-crop+bicubic", "dtype": cfg["model"]["dtype"], "family": plan.family,
+            "resize": "cover+center-crop+bicubic", "dtype": cfg.model.dtype, "family": plan.family,
             **({"family_version": version} if version else {}), **settings, **runtime()}
 
 
@@ -67,7 +66,7 @@ def latent_items(plan: Plan) -> list[dict]:
     return out
 
 
-def item_keys(cfg: dict, plan: Plan) -> dict[str, str]:
+def item_keys(cfg: Config, plan: Plan) -> dict[str, str]:
     """{item name: its latent's key} (control images too), and {"mask:<name>": its mask's key} for the items
     with a loss mask."""
     p = params(cfg, plan)
@@ -75,7 +74,7 @@ def item_keys(cfg: dict, plan: Plan) -> dict[str, str]:
             **{MASK + it["name"]: _mask_key(plan, it) for it in plan.items if "mask" in it}}
 
 
-def inputs(cfg: dict, plan: Plan) -> dict:
+def inputs(cfg: Config, plan: Plan) -> dict:
     items = latent_items(plan)
     return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in items},
             **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
@@ -134,7 +133,7 @@ def batches_of(todo: list[dict], batch_size: int) -> list[list[dict]]:
     return [b for group in groups.values() for b in chunks(group, batch_size)]
 
 
-def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
+def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
@@ -149,8 +148,8 @@ def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str]
     if missing - {keys[MASK + it["name"]] for it in mask_todo}:
         todo = [it for it in latent_items(plan) if keys[it["name"]] in missing]
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
-        adapter = make_adapter(cfg["model"], plan.model_dir)
-        vae = load_once(models, (KIND, key_of(plan.ids), cfg["model"]["dtype"]), adapter.load_vae)
+        adapter = make_adapter(cfg.model, plan.model_dir)
+        vae = load_once(models, (KIND, key_of(plan.ids), cfg.model.dtype), adapter.load_vae)
         batches = batches_of(todo, batch_size)
         pixels_of = lambda batch: _pixels(batch, plan.size)  # noqa: E731
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
@@ -186,5 +185,5 @@ def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str]
     return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
 
 
-def key_of_node(cfg: dict, plan: Plan) -> str:
+def key_of_node(cfg: Config, plan: Plan) -> str:
     return key_of(inputs(cfg, plan))

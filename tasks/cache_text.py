@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from tasks.config import Config
 from tasks.data import augment, controls, prompts
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, progress
 from tasks.models import adapter_class, make_adapter
@@ -19,14 +20,14 @@ KIND = "text"
 log = logging.getLogger("loraflow")
 
 
-def params(cfg: dict, plan: Plan) -> dict:
+def params(cfg: Config, plan: Plan) -> dict:
     return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan.ids["text"],
-            "max_sequence_length": cfg["model"]["max_sequence_length"], "dtype": cfg["model"]["dtype"],
+            "max_sequence_length": cfg.model.max_sequence_length, "dtype": cfg.model.dtype,
             "family": plan.family, **runtime()}
 
 
-def caption_aug(cfg: dict) -> augment.CaptionAug:
-    return augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
+def caption_aug(cfg: Config) -> augment.CaptionAug:
+    return augment.from_config(cfg.data, cfg.text, cfg.train.max_steps)
 
 
 def caption_name(item: str, label: str) -> str:
@@ -39,22 +40,22 @@ def caption_owner(item: dict) -> str:
     return item.get("flip_of", item["name"])
 
 
-def caption_texts_of(cfg: dict):
+def caption_texts_of(cfg: Config):
     """item -> caption_texts of that item, with the augmentation settings read once (100,000 items)."""
     aug = caption_aug(cfg)
     if augment.text_mode(te_lora.text_settings(cfg), aug) != "cached":
         return lambda item: {}
-    seed = cfg["text"]["variants_seed"]
+    seed = cfg.text.variants_seed
     return lambda item: augment.cached_texts(item["caption"], aug, seed)
 
 
-def caption_texts(cfg: dict, plan: Plan, item: dict) -> dict[str, str]:
+def caption_texts(cfg: Config, plan: Plan, item: dict) -> dict[str, str]:
     """label -> text of every caption text training reads from the cache for this item (with augmentation:
     each variant and warm-up truncation); empty when training encodes captions itself."""
     return caption_texts_of(cfg)(item)
 
 
-def named_texts_only(plan: Plan, cfg: dict) -> dict[str, str]:
+def named_texts_only(plan: Plan, cfg: Config) -> dict[str, str]:
     """Every text the run caches, by a readable name (for `changed` in the report). Captions (and their
     augmentation variants) only when training reads them from the cache; otherwise it encodes them. None
     with train.text_encoder_lr: train and sample encode every text with the encoders being trained."""
@@ -71,7 +72,7 @@ def named_texts_only(plan: Plan, cfg: dict) -> dict[str, str]:
     return texts
 
 
-def named_images(plan: Plan, cfg: dict) -> dict[str, dict]:
+def named_images(plan: Plan, cfg: Config) -> dict[str, dict]:
     """For a family whose text encoder sees the control images (Qwen-Image-Edit), what each text is encoded
     with: {name: {"images": [[file, sha256], ...], "size": [w, h]}}, the controls fitted to that size. A
     caption (and its variants) sees its item's controls, with caption dropout so does the item's own empty
@@ -95,7 +96,7 @@ def named_images(plan: Plan, cfg: dict) -> dict[str, dict]:
     return out
 
 
-def named_texts(plan: Plan, cfg: dict) -> dict[str, str]:
+def named_texts(plan: Plan, cfg: Config) -> dict[str, str]:
     """named_texts_only, plus the empty prompts that see control images (named_images)."""
     texts = named_texts_only(plan, cfg)
     return {**texts, **{n: "" for n in named_images(plan, cfg) if n.startswith("empty:")}}
@@ -106,16 +107,16 @@ def seen_part(seen: dict | None) -> dict:
     return {"images": [d for _, d in seen["images"]], "image_size": seen["size"]} if seen else {}
 
 
-def text_key(cfg: dict, plan: Plan, text: str, seen: dict | None = None) -> str:
+def text_key(cfg: Config, plan: Plan, text: str, seen: dict | None = None) -> str:
     return key_of({**params(cfg, plan), "text": text, **seen_part(seen)})
 
 
-def item_keys(cfg: dict, plan: Plan) -> dict[str, str]:
+def item_keys(cfg: Config, plan: Plan) -> dict[str, str]:
     p, seen = params(cfg, plan), named_images(plan, cfg)
     return {name: key_of({**p, "text": text, **seen_part(seen.get(name))}) for name, text in named_texts(plan, cfg).items()}
 
 
-def inputs(cfg: dict, plan: Plan) -> dict:
+def inputs(cfg: Config, plan: Plan) -> dict:
     seen = named_images(plan, cfg)
     return {**params(cfg, plan), **{n: key_of([digest_text(t), seen_part(seen.get(n))]) if n in seen else digest_text(t)
                                     for n, t in named_texts(plan, cfg).items()}}
@@ -127,7 +128,7 @@ def seen_images(seen: dict | None) -> list:
 
 
 # Batch size 1: an item must not depend on its batch neighbours (see cache_latents).
-def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
+def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[str] | None = None,
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
@@ -137,8 +138,8 @@ def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str]
     if status.missing:
         by_key = {keys[n]: t for n, t in texts.items()}
         seen_by_key = {keys[n]: s for n, s in seen.items()}
-        adapter = make_adapter(cfg["model"], plan.model_dir)
-        encoders = load_once(models, (KIND, key_of(plan.ids), cfg["model"]["dtype"]), adapter.load_text_encoders)
+        adapter = make_adapter(cfg.model, plan.model_dir)
+        encoders = load_once(models, (KIND, key_of(plan.ids), cfg.model.dtype), adapter.load_text_encoders)
         batches = list(chunks(status.missing, batch_size))
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch in progress(batches, "cache_text", len(batches)):
@@ -157,5 +158,5 @@ def run(cfg: dict, plan: Plan, store: Store, batch_size: int = 1, only: set[str]
                        distinct_texts=len(set(keys.values())), **live)
 
 
-def key_of_node(cfg: dict, plan: Plan) -> str:
+def key_of_node(cfg: Config, plan: Plan) -> str:
     return key_of(inputs(cfg, plan))

@@ -3,7 +3,8 @@ the key and the fix. The CLI runs them before starting Prefect (flows/cli.py), t
 (tasks/validate.py)."""
 from __future__ import annotations
 
-from tasks.config import ConfigError
+from tasks.config import Config, ConfigError
+from tasks.config_schema import TrainConfig
 from tasks.data import augment, controls, subsets, video
 from tasks.data.sizes import resolve_size
 from tasks.models import adapter_class
@@ -23,35 +24,40 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
              ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
-def check_config(cfg: dict) -> list[str]:
+def value(cfg: Config, section: str, key: str):
+    """The setting `section.key` of cfg (the checks below are tables of keys)."""
+    return getattr(getattr(cfg, section), key)
+
+
+def check_config(cfg: Config) -> list[str]:
     errors = []
     for (section, key), allowed in _CHOICES.items():
-        if cfg[section][key] not in allowed:
-            errors.append(f"{section}.{key}={cfg[section][key]!r}: choose one of "
+        if value(cfg, section, key) not in allowed:
+            errors.append(f"{section}.{key}={value(cfg, section, key)!r}: choose one of "
                           f"{', '.join('null' if a is None else a for a in allowed)}")
     for section, key in _POSITIVE:
-        if not cfg[section][key] > 0:
-            errors.append(f"{section}.{key}={cfg[section][key]!r}: must be greater than 0")
+        if not value(cfg, section, key) > 0:
+            errors.append(f"{section}.{key}={value(cfg, section, key)!r}: must be greater than 0")
     errors += _check_device(cfg) + _check_ranges(cfg)
-    n, batch = cfg["train"]["num_processes"], cfg["train"]["batch_size"]
+    n, batch = cfg.train.num_processes, cfg.train.batch_size
     if isinstance(n, int) and isinstance(batch, int) and n > max(batch, 1):
         errors.append(f"train.num_processes={n} with train.batch_size={batch}: each step's batch is split across "
                       f"the processes; use train.batch_size={n} or more, or fewer processes")
-    errors += _machine_errors(cfg["train"])
-    if not cfg["data"]["bucket_max_aspect"] >= 1:
-        errors.append(f"data.bucket_max_aspect={cfg['data']['bucket_max_aspect']!r}: must be at least 1 (e.g. 2.0)")
+    errors += _machine_errors(cfg.train)
+    if not cfg.data.bucket_max_aspect >= 1:
+        errors.append(f"data.bucket_max_aspect={cfg.data.bucket_max_aspect!r}: must be at least 1 (e.g. 2.0)")
     for section, key in (("sample", "every_n_steps"), ("train", "save_every_n_steps")):
-        if cfg[section][key] < 0:
-            errors.append(f"{section}.{key}={cfg[section][key]!r}: must be 0 (off) or a number of steps")
-    if cfg["data"]["missing_caption"] not in ("error", "empty"):
-        errors.append(f"data.missing_caption={cfg['data']['missing_caption']!r}: choose error or empty")
-    if cfg["data"]["bad_files"] not in ("error", "skip"):
-        errors.append(f"data.bad_files={cfg['data']['bad_files']!r}: choose error (stop, list them) or skip "
+        if value(cfg, section, key) < 0:
+            errors.append(f"{section}.{key}={value(cfg, section, key)!r}: must be 0 (off) or a number of steps")
+    if cfg.data.missing_caption not in ("error", "empty"):
+        errors.append(f"data.missing_caption={cfg.data.missing_caption!r}: choose error or empty")
+    if cfg.data.bad_files not in ("error", "skip"):
+        errors.append(f"data.bad_files={cfg.data.bad_files!r}: choose error (stop, list them) or skip "
                       "(leave them out, train the rest)")
     return errors
 
 
-def _check_ranges(cfg: dict) -> list[str]:
+def _check_ranges(cfg: Config) -> list[str]:
     """Numbers that compose types but nothing above bounds (nan, inf, out of range), each bound being what
     a later stage needs; a value past it would crash that stage, hang, or train/sample nonsense."""
     import math
@@ -97,32 +103,32 @@ def _check_ranges(cfg: dict) -> list[str]:
         ("text", "variants", lambda v: not isinstance(v, int) or v <= 1000,
          "at most 1000 (for a new draw every step: text.fresh_draws=true)"),
     ]
-    area = cfg["data"]["resolution_type"] == "area"
+    area = cfg.data.resolution_type == "area"
     most = MAX_SIDE**2 / 2**20 if area else MAX_SIDE
     rules.append(("data", "resolution", lambda v: finite(v) and v <= most,
                   f"a finite number, at most {most:g} {'megapixels' if area else 'pixels'}"))
     errors = []
     for section, key, ok, rule in rules:
-        v = cfg[section].get(key)
+        v = value(cfg, section, key)
         if v is not None and not ok(v):
             errors.append(f"{section}.{key}={v!r}: must be {rule}")
     return errors
 
 
-def _check_device(cfg: dict) -> list[str]:
+def _check_device(cfg: Config) -> list[str]:
     """Settings this machine cannot run, each with the alternative."""
     errors, cuda = [], cuda_available()
-    errors += compile_errors(cfg["train"], cuda)
-    if cfg["train"]["mixed_precision"] == "fp16" and not cuda:
+    errors += compile_errors(cfg.train, cuda)
+    if cfg.train.mixed_precision == "fp16" and not cuda:
         errors.append("train.mixed_precision=fp16 needs a CUDA GPU; on the CPU use train.mixed_precision=bf16 or no")
-    mp = cfg["train"]["mixed_precision"]
-    if cfg["model"]["dtype"] == "float16" and (mp == "bf16" or not cuda):
+    mp = cfg.train.mixed_precision
+    if cfg.model.dtype == "float16" and (mp == "bf16" or not cuda):
         # fp16 weights train under accelerate's fp16 autocast with its loss scaler (LoRA weights fp32), as
         # the references: CUDA only, and no bf16 autocast over fp16 weights.
         why = "train.mixed_precision=bf16 contradicts it" if mp == "bf16" else "that needs a CUDA GPU"
         errors.append(f"model.dtype=float16 trains with fp16 loss scaling and {why}; use model.dtype=bfloat16 "
                       "or float32" + (" (or train.mixed_precision=fp16 / no)" if cuda else ""))
-    optimizer = cfg["train"]["optimizer"]
+    optimizer = cfg.train.optimizer
     if optimizer in ("adamw8bit", "lion8bit"):
         try:
             import bitsandbytes  # noqa: F401
@@ -137,14 +143,14 @@ def _check_device(cfg: dict) -> list[str]:
             import prodigyopt  # noqa: F401
         except ImportError:
             errors.append("train.optimizer=prodigy needs prodigyopt (pip install prodigyopt); or use train.optimizer=adamw")
-    storage, quantize = cfg["model"].get("storage_dtype"), cfg["model"].get("quantize", "none")
+    storage, quantize = cfg.model.storage_dtype, cfg.model.quantize
     if storage not in (None, "float8_e4m3fn", "float8_e5m2"):
         errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")
     if quantize not in ("none", "fp8", "int8", "nf4"):
         errors.append(f"model.quantize={quantize!r}: choose none, fp8, int8 or nf4")
-    elif cfg["model"].get("matmul", "auto") not in ("auto", "dequantize", "w8a8"):
-        errors.append(f"model.matmul={cfg['model']['matmul']!r}: choose auto, dequantize or w8a8")
-    elif cfg["model"].get("matmul") == "w8a8" and quantize not in ("fp8", "int8") and storage != "float8_e4m3fn":
+    elif cfg.model.matmul not in ("auto", "dequantize", "w8a8"):
+        errors.append(f"model.matmul={cfg.model.matmul!r}: choose auto, dequantize or w8a8")
+    elif cfg.model.matmul == "w8a8" and quantize not in ("fp8", "int8") and storage != "float8_e4m3fn":
         errors.append(f"model.matmul=w8a8 multiplies an fp8 or int8 base in its own type; with model.quantize="
                       f"{quantize} there is none (nf4 has no 4-bit matmul: it dequantizes); set model.quantize=fp8 or "
                       "int8, or model.matmul=auto")
@@ -154,54 +160,54 @@ def _check_device(cfg: dict) -> list[str]:
     return errors
 
 
-def check_sizes(cfg: dict, multiple: int) -> list[str]:
+def check_sizes(cfg: Config, multiple: int) -> list[str]:
     errors = []
     for key in ("width", "height"):
-        value = cfg["sample"][key]
+        value = getattr(cfg.sample, key)
         if value is not None and (value <= 0 or value % multiple):
             lo, hi = max(multiple, value // multiple * multiple), (max(value, 0) // multiple + 1) * multiple
             errors.append(f"sample.{key}={value}: must be a multiple of {multiple} for model.family="
-                          f"{cfg['model']['family']}; use sample.{key}={lo} or {hi}")
+                          f"{cfg.model.family}; use sample.{key}={lo} or {hi}")
     return errors
 
 
-def config_errors(cfg: dict) -> list[str]:
+def config_errors(cfg: Config) -> list[str]:
     """Every error of the config alone (no file read, no model loaded), each naming its key: what the CLI
     checks before Prefect's API starts, and run() first."""
     errors = check_config(cfg)
     try:
-        adapter_cls = adapter_class(cfg["model"]["family"])
+        adapter_cls = adapter_class(cfg.model.family)
     except ConfigError as e:
         return errors + [str(e)]
-    errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg["data"], cfg["text"])
-    if cfg["train"]["timestep_sampling"] != "sigma" and not adapter_cls.flow_matching:
-        errors.append(f"train.timestep_sampling={cfg['train']['timestep_sampling']}: flow-matching families only "
-                      f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg['model']['family']} samples DDPM "
+    errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg.data, cfg.text)
+    if cfg.train.timestep_sampling != "sigma" and not adapter_cls.flow_matching:
+        errors.append(f"train.timestep_sampling={cfg.train.timestep_sampling}: flow-matching families only "
+                      f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg.model.family} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
-    errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg["data"])
+    errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg.data)
     errors += validation.errors(cfg)
-    errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg["data"], cfg["model"]["family"], adapter_cls)
+    errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg.data, cfg.model.family, adapter_cls)
     errors += video.errors(cfg, adapter_cls)
-    if cfg["data"]["random_crop"]:
+    if cfg.data.random_crop:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "
                       "aspect, or data.flip_aug=true for a cached augmentation")
-    tc = cfg["text"]
-    if tc["offload_encoders"] and (tc["fresh_draws"] or not tc["cache"]):
-        why = "text.fresh_draws=true" if tc["fresh_draws"] else "text.cache=false"
+    tc = cfg.text
+    if tc.offload_encoders and (tc.fresh_draws or not tc.cache):
+        why = "text.fresh_draws=true" if tc.fresh_draws else "text.cache=false"
         errors.append(f"text.offload_encoders=true with {why}: {why.split('=')[0]} encodes captions in the train node, "
                       f"which needs the text encoders loaded; drop one of the two (with text.cache=true and "
                       f"text.fresh_draws=false, augmentations use cached variants: text.variants=N)")
     if not errors:
         try:
-            resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
+            resolve_size(cfg.data.resolution, cfg.data.resolution_type, adapter_cls.size_multiple)
         except ConfigError as e:
             errors.append(str(e))
     return errors
 
 
-def _machine_errors(tc: dict) -> list[str]:
-    m, rank, n = tc["num_machines"], tc["machine_rank"], tc["num_processes"]
+def _machine_errors(tc: TrainConfig) -> list[str]:
+    m, rank, n = tc.num_machines, tc.machine_rank, tc.num_processes
     if not isinstance(m, int) or m < 1:
         return [f"train.num_machines={m!r}: must be 1 or more"]
     errors = []
@@ -210,31 +216,31 @@ def _machine_errors(tc: dict) -> list[str]:
     if m > 1 and isinstance(n, int) and n % m:
         errors.append(f"train.num_processes={n} with train.num_machines={m}: num_processes is the total over all "
                       f"machines, a multiple of num_machines (e.g. train.num_processes={m * max(1, n // m)})")
-    if m > 1 and not (tc["main_process_ip"] and tc["main_process_port"]):
+    if m > 1 and not (tc.main_process_ip and tc.main_process_port):
         errors.append(f"train.num_machines={m}: set train.main_process_ip and train.main_process_port (machine 0's "
                       "address, the same on every machine)")
     return errors
 
 
-def _loss_and_network_errors(cfg: dict, adapter_cls) -> list[str]:
-    tc, family, errors = cfg["train"], cfg["model"]["family"], []
-    if tc["min_snr_gamma"] is not None and adapter_cls.flow_matching:
+def _loss_and_network_errors(cfg: Config, adapter_cls) -> list[str]:
+    tc, family, errors = cfg.train, cfg.model.family, []
+    if tc.min_snr_gamma is not None and adapter_cls.flow_matching:
         # Min-SNR is defined on a DDPM schedule's SNR; sd-scripts and diffusers' Flux/SD3 trainers apply none
-        errors.append(f"train.min_snr_gamma={tc['min_snr_gamma']}: epsilon / v-prediction families only (SD1.5, "
+        errors.append(f"train.min_snr_gamma={tc.min_snr_gamma}: epsilon / v-prediction families only (SD1.5, "
                       f"SDXL); {family} trains by flow matching: use train.weighting_scheme instead, or "
                       "train.min_snr_gamma=null")
-    if tc["network"] in ("loha", "lokr"):
+    if tc.network in ("loha", "lokr"):
         # peft's LoHa/LoKr (tasks/models/lora_variants/lycoris.py) on the denoiser; peft has no rsLoRA for them, and the text
         # encoders' LoRA (tasks/models/lora_variants/text_encoder_lora.py) is a plain LoRA in diffusers' layout
-        if tc.get("rslora"):
-            errors.append(f"train.network={tc['network']} with train.rslora=true: rsLoRA's alpha / sqrt(rank) is a "
+        if tc.rslora:
+            errors.append(f"train.network={tc.network} with train.rslora=true: rsLoRA's alpha / sqrt(rank) is a "
                           "LoRA option (peft has none for LoHa/LoKr); set train.rslora=false")
-        if tc.get("text_encoder_lr") is not None:
-            errors.append(f"train.network={tc['network']} with train.text_encoder_lr: the text encoders train a "
+        if tc.text_encoder_lr is not None:
+            errors.append(f"train.network={tc.network} with train.text_encoder_lr: the text encoders train a "
                           "plain LoRA only; use train.network=lora, or train.text_encoder_lr=null")
-    if tc["network"] == "dora" and tc.get("text_encoder_lr") is not None and cfg["export"]["format"] != "diffusers":
+    if tc.network == "dora" and tc.text_encoder_lr is not None and cfg.export.format != "diffusers":
         # the kohya/ComfyUI files carry the denoiser's DoRA as dora_scale; the text encoders' have no writer here
-        errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg['export']['format']}: "
+        errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg.export.format}: "
                       "the text encoders' DoRA magnitudes have no kohya layout here; set export.format=diffusers "
                       "or drop train.text_encoder_lr")
     return errors

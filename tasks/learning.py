@@ -13,31 +13,32 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
+from tasks.config import Config
+from tasks.config_schema import LearningConfig
 from tasks.lazy import lazy
 
 torch = lazy("torch")
+Image, ImageDraw = lazy("PIL.Image"), lazy("PIL.ImageDraw")  # a no-op run renders nothing
 
 SCORERS = ("shapes",)
 _CELL, _PER_ROW = 96, 4  # px per image in before_after.png (upscaled without smoothing); prompts per row
 
 
-def prompts(lcfg: dict) -> tuple[list[str], list[str]]:
+def prompts(lcfg: LearningConfig) -> tuple[list[str], list[str]]:
     """(concept prompts, kept prompts): spread evenly over the world's caption lists (their fixed order), so
     that colours and shapes are all represented, held-out colour pairs of the concept included."""
     from tasks.demo import world
 
     concept, kept = world.concept_captions(), world.base_captions()
-    return concept[:: max(1, len(concept) // lcfg["concept_prompts"])][: lcfg["concept_prompts"]], \
-        kept[:: max(1, len(kept) // lcfg["kept_prompts"])][: lcfg["kept_prompts"]]
+    return concept[:: max(1, len(concept) // lcfg.concept_prompts)][: lcfg.concept_prompts], \
+        kept[:: max(1, len(kept) // lcfg.kept_prompts)][: lcfg.kept_prompts]
 
 
-def _render(pipe, prompt: str, seed: int, lcfg: dict, size: int) -> Image.Image:
+def _render(pipe, prompt: str, seed: int, lcfg: LearningConfig, size: int) -> Image.Image:
     params = inspect.signature(type(pipe).__call__).parameters
-    kw = {k: v for k, v in (("guidance_scale", lcfg["guidance"]), ("max_sequence_length", lcfg["max_sequence_length"]))
+    kw = {k: v for k, v in (("guidance_scale", lcfg.guidance), ("max_sequence_length", lcfg.max_sequence_length))
           if k in params}
-    return pipe(prompt=prompt, height=size, width=size, num_inference_steps=lcfg["steps"], output_type="pil",
+    return pipe(prompt=prompt, height=size, width=size, num_inference_steps=lcfg.steps, output_type="pil",
                 generator=torch.Generator("cpu").manual_seed(seed), **kw).images[0]
 
 
@@ -59,19 +60,19 @@ def before_after(rows: list[tuple[str, Image.Image, Image.Image]], out: Path) ->
     return out
 
 
-def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
+def run(cfg: Config, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
     """Render, score, and write <run_dir>/samples/before_after.png; returns the report's `learning`."""
     from tasks.demo import score
     from tasks.models import make_adapter
     from tasks.models.bases.adapter import load_lora_file
 
-    lcfg = cfg["learning"]
-    if lcfg["scorer"] not in SCORERS:
+    lcfg = cfg.learning
+    if lcfg.scorer not in SCORERS:
         from tasks.config import ConfigError
 
-        raise ConfigError(f"learning.scorer={lcfg['scorer']!r}: one of {', '.join(SCORERS)} (or null: off)")
-    adapter = make_adapter(cfg["model"], model_dir)
-    size = int(cfg["data"]["resolution"])
+        raise ConfigError(f"learning.scorer={lcfg.scorer!r}: one of {', '.join(SCORERS)} (or null: off)")
+    adapter = make_adapter(cfg.model, model_dir)
+    size = int(cfg.data.resolution)
     concept, kept = prompts(lcfg)
     renders: dict[str, dict[str, list[Image.Image]]] = {}
     for name, lora in (("base", None), ("lora", lora_file)):
@@ -80,11 +81,11 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
             load_lora_file(pipe, adapter.denoiser_subfolder, lora)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(adapter.device)  # the start noise is drawn on the CPU (_render): the same images on any device
-        renders[name] = {p: [_render(pipe, p, s, lcfg, size) for s in lcfg["seeds"]] for p in concept + kept}
+        renders[name] = {p: [_render(pipe, p, s, lcfg, size) for s in lcfg.seeds] for p in concept + kept}
 
     def share(which: str, texts: list[str]) -> float:
         return score.share([im for t in texts for im in renders[which][t]],
-                           [t for t in texts for _ in lcfg["seeds"]])
+                           [t for t in texts for _ in lcfg.seeds])
 
     out = run_dir / "samples"
     out.mkdir(parents=True, exist_ok=True)
@@ -92,4 +93,4 @@ def run(cfg: dict, model_dir: Path, lora_file: Path, run_dir: Path) -> dict:
     path = before_after(seed0, out / "before_after.png")
     return {"concept_before": share("base", concept), "concept_after": share("lora", concept),
             "base_kept": share("lora", kept), "before_after": str(path),
-            "prompts": {"concept": len(concept), "kept": len(kept), "seeds": list(lcfg["seeds"])}}
+            "prompts": {"concept": len(concept), "kept": len(kept), "seeds": list(lcfg.seeds)}}

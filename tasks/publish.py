@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from tasks.config import Config
 from tasks.lazy import lazy
 from tasks.models.lora_variants import lycoris
 from tasks.plan import Plan
@@ -43,50 +44,50 @@ def split_text_encoders(state_dict: dict) -> tuple[dict, dict[str, dict]]:
     return peft_from_diffusers({k: v for k, v in state_dict.items() if not k.startswith("text_encoder")}), text
 
 
-def kohya_file(cfg: dict, plan: Plan, store: Store, lora: dict, layout: str = "kohya") -> Path:
+def kohya_file(cfg: Config, plan: Plan, store: Store, lora: dict, layout: str = "kohya") -> Path:
     """The kohya file (layout "kohya"), or ComfyUI's layout of the family's model ("comfyui": export_comfyui.to_comfyui)."""
-    tc = cfg["train"]
+    tc = cfg.train
     key = key_of({"lora": lora["key"], "format": layout, "code": export.CODE_VERSION})
     if not store.valid(KOHYA_KIND, key):
-        alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
-        if tc.get("rslora"):  # kohya loaders scale by alpha / rank: the alpha that gives rslora's alpha / sqrt(rank)
-            alpha = alpha * tc["rank"] ** 0.5
+        alpha = tc.alpha if tc.alpha is not None else tc.rank
+        if tc.rslora:  # kohya loaders scale by alpha / rank: the alpha that gives rslora's alpha / sqrt(rank)
+            alpha = alpha * tc.rank ** 0.5
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
         config = {k: v for k, v in lora["inputs"].items() if not k.startswith("item:")}
-        te_lr = {"ss_text_encoder_lr": tc["text_encoder_lr"]} if tc.get("text_encoder_lr") is not None else {}
+        te_lr = {"ss_text_encoder_lr": tc.text_encoder_lr} if tc.text_encoder_lr is not None else {}
         metadata = export.kohya_metadata(
-            plan.family, tc["rank"], alpha, ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
+            plan.family, tc.rank, alpha, ss_steps=tc.max_steps, ss_learning_rate=tc.lr, ss_seed=tc.seed,
             ss_num_train_images=len(pairs), ss_resolution=plan.size, ss_dataset_hash=key_of(pairs),
             ss_config_hash=key_of(config), loraflow_base_model=plan.ids["denoiser"], loraflow_train_key=lora["key"],
             **te_lr)
         denoiser, text_encoders = split_text_encoders(st.load_file(lora["lora"]))
-        base = _base_weights(cfg, plan) if tc.get("network") == "dora" else None  # each module's dora_scale
+        base = _base_weights(cfg, plan) if tc.network == "dora" else None  # each module's dora_scale
         with store.tmp_dir("publish") as tmp:
             if layout == "comfyui":
                 path = export_comfyui.save_comfyui(Path(tmp) / "lora_comfyui.safetensors", plan.family, denoiser,
-                                           tc["rank"], alpha, {**metadata, "loraflow_layout": "comfyui"}, base)
+                                           tc.rank, alpha, {**metadata, "loraflow_layout": "comfyui"}, base)
             else:
-                path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan.family, denoiser, tc["rank"],
+                path = export.save_kohya(Path(tmp) / "lora_kohya.safetensors", plan.family, denoiser, tc.rank,
                                          alpha, metadata, text_encoders, base)
             store.put_file(KOHYA_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(KOHYA_KIND, key)
 
 
-def _base_weights(cfg: dict, plan: Plan):
+def _base_weights(cfg: Config, plan: Plan):
     """module name -> the base denoiser's weight, loaded as training loads it (folder or single file)."""
     from tasks.models import make_adapter
 
-    modules = dict(make_adapter(cfg["model"], plan.model_dir).load_denoiser().named_modules())
+    modules = dict(make_adapter(cfg.model, plan.model_dir).load_denoiser().named_modules())
     return lambda name: modules[name].weight.detach()
 
 
-def lycoris_file(cfg: dict, plan: Plan, store: Store, lora: dict) -> Path:
+def lycoris_file(cfg: Config, plan: Plan, store: Store, lora: dict) -> Path:
     """train.network=loha|lokr: the LyCORIS file (export_lycoris.to_lycoris) of the train node's peft file."""
-    tc = cfg["train"]
+    tc = cfg.train
     key = key_of({"lora": lora["key"], "format": "lycoris", "code": export.CODE_VERSION})
     if not store.valid(LYCORIS_KIND, key):
         pairs = {k: v for k, v in lora["inputs"].items() if k.startswith("item:")}
-        info = dict(ss_steps=tc["max_steps"], ss_learning_rate=tc["lr"], ss_seed=tc["seed"],
+        info = dict(ss_steps=tc.max_steps, ss_learning_rate=tc.lr, ss_seed=tc.seed,
                     ss_num_train_images=len(pairs), ss_resolution=plan.size, ss_dataset_hash=key_of(pairs),
                     ss_base_model_version=export.base_model_version(plan.family),
                     loraflow_base_model=plan.ids["denoiser"], loraflow_train_key=lora["key"])
@@ -105,11 +106,11 @@ def diffusers_file(store: Store, lora: dict) -> Path:
     return store.get_path(DIFFUSERS_KIND, key)
 
 
-def publish(cfg: dict, plan: Plan, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
+def publish(cfg: Config, plan: Plan, store: Store, run_dir: Path, lora: dict, samples: list[str]) -> dict:
     lora_dir = run_dir / "lora"
     lora_dir.mkdir(parents=True, exist_ok=True)
-    fmt, files = cfg["export"]["format"], {}
-    if lycoris.is_lycoris(cfg["train"]):
+    fmt, files = cfg.export.format, {}
+    if lycoris.is_lycoris(cfg.train):
         # LoHa/LoKr have one layout whatever export.format: LyCORIS's, which ComfyUI maps for every family
         # (tasks/training/export_lycoris.py); diffusers' load_lora_weights reads none (docs/lora-files.md)
         files["lycoris"] = files["comfyui"] = lora_dir / "lora_lycoris.safetensors"
@@ -127,7 +128,7 @@ def publish(cfg: dict, plan: Plan, store: Store, run_dir: Path, lora: dict, samp
     layout = "kohya" if export_comfyui.comfyui_loads_kohya(plan.family) else "comfyui"
     if "comfyui" in files:
         pass  # LoHa/LoKr: the LyCORIS file
-    elif cfg["train"].get("network") == "dora" and cfg["train"].get("text_encoder_lr") is not None:
+    elif cfg.train.network == "dora" and cfg.train.text_encoder_lr is not None:
         pass  # the text encoders' DoRA has no kohya layout (tasks/validate.py): the diffusers file only
     elif layout == "kohya" and "kohya" in files:
         files["comfyui"] = files["kohya"]
@@ -149,7 +150,7 @@ def publish(cfg: dict, plan: Plan, store: Store, run_dir: Path, lora: dict, samp
         dst = out / f"{p['line']:03d}_{slug(p['prompt'])}{Path(src).suffix}"  # .png, or a video family's .mp4
         shutil.copyfile(src, dst)
         paths.append(str(dst))
-    grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg["sample"]["grid"] else None
+    grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg.sample.grid else None
     main = files.get("lycoris") or files.get("diffusers") or files.get("kohya") or files["comfyui"]
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
             "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}

@@ -6,12 +6,12 @@ import logging
 import re
 from pathlib import Path
 
-from PIL import Image
-
 from tasks import cache_text
+from tasks.config import Config
 from tasks.data import controls, prompts
 from tasks.data.clips import Video, read_frames, write_mp4
 from tasks.items import check_items, node_result, progress
+from tasks.lazy import lazy
 from tasks.models import make_adapter
 from tasks.models.bases.adapter import on_pipeline_device
 from tasks.models.lora_variants import text_encoder_lora as te_lora
@@ -20,6 +20,7 @@ from tasks.runtime import runtime
 from tasks.store import Store
 from tasks.store.hashing import key_of
 
+Image = lazy("PIL.Image")  # a no-op run renders no sample (tasks/lazy.py)
 
 CODE_VERSION = "1"
 KIND = "samples"
@@ -29,10 +30,10 @@ log = logging.getLogger("loraflow")
 settings = prompts.sample_settings  # a prompt's own kohya options over the sample.* defaults
 
 
-def prompt_inputs(cfg: dict, plan: Plan, text_keys: dict[str, str]) -> dict[str, dict]:
+def prompt_inputs(cfg: Config, plan: Plan, text_keys: dict[str, str]) -> dict[str, dict]:
     """What each prompt's image depends on besides the LoRA (its settings, texts and the sampler)."""
     base = {"node": "sample", "code": CODE_VERSION, "model": plan.ids["sample"],
-            "dtype": cfg["model"]["dtype"], "family": plan.family, **runtime()}
+            "dtype": cfg.model.dtype, "family": plan.family, **runtime()}
     if te_lora.enabled(cfg):
         # Encoded live (nothing cached): each text by its cache key (the text and the encoders' identity); the
         # LoRA's key covers the encoders' LoRA.
@@ -66,11 +67,11 @@ def render(adapter, pipe, texts: tuple, s: dict, prompt: dict):
     return controls.beside(images, image) if images else image
 
 
-def item_keys(cfg: dict, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
+def item_keys(cfg: Config, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:
     return {name: key_of({**inputs, "lora": lora_key}) for name, inputs in prompt_inputs(cfg, plan, text_keys).items()}
 
 
-def inputs(cfg: dict, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict:
+def inputs(cfg: Config, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict:
     # per prompt without the LoRA: a new LoRA is reported as `lora` alone, not as every prompt too
     return {"node": "sample", "code": CODE_VERSION, "lora": lora_key,
             **{name: key_of(i) for name, i in prompt_inputs(cfg, plan, text_keys).items()}}
@@ -109,11 +110,11 @@ def make_grid(images: list[Path], out: Path, columns: int = 4) -> Path:
     return out
 
 
-def run(cfg: dict, plan: Plan, store: Store, lora_key: str, lora_file: str, text_keys: dict) -> dict:
+def run(cfg: Config, plan: Plan, store: Store, lora_key: str, lora_file: str, text_keys: dict) -> dict:
     keys = item_keys(cfg, plan, lora_key, text_keys)
     status = check_items(store, KIND, keys.values())
     if status.missing:
-        adapter = make_adapter(cfg["model"], plan.model_dir)
+        adapter = make_adapter(cfg.model, plan.model_dir)
         live = te_lora.enabled(cfg)  # the LoRA file has text-encoder layers: the pipeline keeps its encoders
         pipe = adapter.load_sampler(Path(lora_file), **({"text_encoders": True} if live else {}))
 
@@ -142,5 +143,5 @@ def run(cfg: dict, plan: Plan, store: Store, lora_key: str, lora_file: str, text
     return node_result(key_of(node_inputs), keys, status, node_inputs, samples=samples)
 
 
-def key_of_node(cfg: dict, plan: Plan, lora_key: str, text_keys: dict) -> str:
+def key_of_node(cfg: Config, plan: Plan, lora_key: str, text_keys: dict) -> str:
     return key_of(inputs(cfg, plan, lora_key, text_keys))

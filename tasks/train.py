@@ -15,11 +15,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tasks import cache_latents
-from tasks.config import stored_as
+from tasks.config import Config, as_plain, stored_as
 from tasks.data import masks, video
 from tasks.items import Memo as _Memo, check_items, node_result, prefetch
 from tasks.lazy import lazy
 from tasks.models import make_adapter
+from tasks.models.bases import losses
 from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.plan import Plan
 from tasks.store import Store
@@ -64,7 +65,7 @@ def _duration(seconds: float) -> str:
 @dataclass
 class _Run:
     """What the steps of one training run share, set up by `_set_up`."""
-    cfg: dict
+    cfg: Config
     plan: Plan
     store: Store
     adapter: object
@@ -88,14 +89,14 @@ class _Run:
 
     @property
     def tc(self) -> dict:
-        return self.cfg["train"]
+        return self.cfg.train
 
     @property
     def main(self) -> bool:
         return self.accelerator.is_main_process
 
 
-def train_lora(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
+def train_lora(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
                trajectory: str, run_dir: Path | None = None, on_samples: list | None = None) -> dict:
     """The training loop, top to bottom. Runs as one process or as each of `train.num_processes` (data
     parallel: every step's batch is split across processes, gradients summed with the loss weights of
@@ -111,14 +112,14 @@ def train_lora(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys
 
 def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _Run:
     """Data readers, seeds, accelerate, the denoiser with its LoRA, the optimizer and schedules, the sampler."""
-    tc = cfg["train"]
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    tc = cfg.train
+    adapter = make_adapter(cfg.model, plan.model_dir)
     names = [it["name"] for it in plan.items]
     latents = Latents(store, [latent_keys[n] for n in names])
     texts = Captions(cfg, plan, store, adapter, text_keys)
-    seed = int(tc["seed"])
+    seed = int(tc.seed)
     seed_everything(seed)
-    tensorboard = run_dir / "tensorboard" if run_dir and tc["log_with"] == "tensorboard" else None
+    tensorboard = run_dir / "tensorboard" if run_dir and tc.log_with == "tensorboard" else None
     accelerator = make_accelerator(precision(cfg), tensorboard)
     denoiser, named = prepare_denoiser(adapter, cfg)
     encoders = texts.trained  # train.text_encoder_lr: LoRA'd after the denoiser (its initial weights as without)
@@ -127,8 +128,8 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     runtime = kernels(cfg, adapter, denoiser)
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
-    lr_schedule = optimization.get_scheduler(tc["lr_scheduler"], optimizer, num_warmup_steps=tc["warmup_steps"],
-                                             num_training_steps=tc["max_steps"])
+    lr_schedule = optimization.get_scheduler(tc.lr_scheduler, optimizer, num_warmup_steps=tc.warmup_steps,
+                                             num_training_steps=tc.max_steps)
     scheduler = adapter.load_train_scheduler()
     sampler = CheckpointSampler(cfg, plan, store, adapter, run_dir / "samples" if run_dir else None,
                                 [to_tensorboard(accelerator), *(on_samples or [])],
@@ -138,20 +139,20 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     repeats = [0 if it["name"] in held else it.get("repeats", 1) for it in plan.items]
     buckets = buckets_of(latents.shapes, repeats)
     load = BatchLoader(store, plan.items, latent_keys, latents, texts, buckets,
-                       min(tc["batch_size"], sum(repeats)),  # an epoch draws sum(repeats) items
-                       seed, accelerator.process_index, accelerator.num_processes, tc["gradient_accumulation_steps"],
-                       tc["prior_loss_weight"])
+                       min(tc.batch_size, sum(repeats)),  # an epoch draws sum(repeats) items
+                       seed, accelerator.process_index, accelerator.num_processes, tc.gradient_accumulation_steps,
+                       tc.prior_loss_weight)
     return _Run(cfg, plan, store, adapter, accelerator, denoiser, named, encoders, optimizer, ema, lr_schedule,
                 scheduler, sampler, texts, load, held, scoring, runtime)
 
 
-def kernels(cfg: dict, adapter, denoiser) -> dict:
+def kernels(cfg: Config, adapter, denoiser) -> dict:
     """train.compile (the blocks compiled here, after every memory option is in place) and the kernel paths the
     report names (tasks/training/compiled_blocks.py)."""
-    compiled = compile_blocks(denoiser, adapter.swap_blocks) if cfg["train"].get("compile") else 0
+    compiled = compile_blocks(denoiser, adapter.swap_blocks) if cfg.train.compile else 0
     return {"compile": {"enabled": bool(compiled), "blocks": compiled}, "attention": attention_backend(),
-            "matmul": matmul_path(stored_as(cfg["model"]), str(adapter.dtype).replace("torch.", ""),
-                                  w8a8.resolve(cfg["model"]))}
+            "matmul": matmul_path(stored_as(cfg.model), str(adapter.dtype).replace("torch.", ""),
+                                  w8a8.resolve(cfg.model))}
 
 
 def _held_out(plan: Plan, store: Store, latent_keys: dict, texts: Captions, held: list[str]) -> tuple:
@@ -168,8 +169,8 @@ def _held_out(plan: Plan, store: Store, latent_keys: dict, texts: Captions, held
 def _resume(run: _Run, trajectory: str) -> None:
     """train.resume=auto: the latest stored checkpoint of this trajectory, its losses, samples and schedule."""
     tc = run.tc
-    if tc["resume"] == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
-        run.start = latest_checkpoint(run.store, trajectory, tc["max_steps"], discard=run.main)
+    if tc.resume == "auto":  # only the main process discards a corrupt checkpoint; the others skip it
+        run.start = latest_checkpoint(run.store, trajectory, tc.max_steps, discard=run.main)
     if not run.start:
         return
     start = run.start
@@ -183,18 +184,18 @@ def _resume(run: _Run, trajectory: str) -> None:
         for _ in range(start):
             run.lr_schedule.step()
     log.info("train: continuing from the stored checkpoint at step %d (steps %d-%d to go)",
-             start, start + 1, tc["max_steps"])
+             start, start + 1, tc.max_steps)
 
 
 def _announce(run: _Run) -> None:
     tc, accelerator, world = run.tc, run.accelerator, run.accelerator.num_processes
     if run.main:
         log.info("train: %d steps, %d images, batch %d%s, rank %d, lr %g%s, %d trainable parameters",
-                 tc["max_steps"], len(run.plan.items) - len(run.held), tc["batch_size"],
-                 f" over {world} processes" if world > 1 else "", tc["rank"], tc["lr"],
-                 "" if run.encoders is None else f" (text encoders: {tc['text_encoder_lr']:g})",
+                 tc.max_steps, len(run.plan.items) - len(run.held), tc.batch_size,
+                 f" over {world} processes" if world > 1 else "", tc.rank, tc.lr,
+                 "" if run.encoders is None else f" (text encoders: {tc.text_encoder_lr:g})",
                  sum(p.numel() for p in run.named.values()))
-        accelerator.init_trackers("loraflow", config={k: v for k, v in tc.items() if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers("loraflow", config={k: v for k, v in as_plain(tc).items() if isinstance(v, (int, float, str, bool))})
     groups = run.load.groups
     if len(groups) > 1 and run.main:
         log.info("train: %d buckets, each batch from one: %s", len(groups),
@@ -207,10 +208,10 @@ def _train_steps(run: _Run, trajectory: str) -> None:
     tc = run.tc
     run.denoiser.train()
     _announce(run)
-    progress = tqdm(total=tc["max_steps"], initial=run.start, desc="train", unit="step",
+    progress = tqdm(total=tc.max_steps, initial=run.start, desc="train", unit="step",
                     disable=None if run.main else True)
-    steps = list(range(run.start + 1, tc["max_steps"] + 1))
-    accum = tc["gradient_accumulation_steps"]
+    steps = list(range(run.start + 1, tc.max_steps + 1))
+    accum = tc.gradient_accumulation_steps
     # With CUDA the next step's batch is read and pinned while the GPU trains on this one. On the CPU a
     # loader thread only contends with the step's own threads (measured: 1.5x the step time on 2 cores).
     # Trained encoders encode in the step itself (lazily, by map), after the previous optimizer step.
@@ -246,10 +247,10 @@ def _optimizer_step(run: _Run, batches, accum: int):
         batch_latents = batch.latents.to(accelerator.device, adapter.dtype, non_blocking=True)
         text = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.text.items()}
         # reg images' weights reach the loss through the train config (tasks/models/bases/losses.py: item_weights)
-        step_cfg = tc if batch.item_weights is None else {**tc, "item_weights": batch.item_weights}
-        if batch.loss_mask is not None:  # and the masks, on the latent grid (tasks/models/bases/losses.py: masked)
-            grid = masks.on_latent_grid(batch.loss_mask.to(accelerator.device), batch_latents.shape[-2:])
-            step_cfg = {**step_cfg, "loss_mask": grid}
+        # and the masks, on the latent grid (tasks/models/bases/losses.py: masked)
+        grid = None if batch.loss_mask is None else \
+            masks.on_latent_grid(batch.loss_mask.to(accelerator.device), batch_latents.shape[-2:])
+        step_cfg = losses.for_batch(tc, batch.item_weights, grid)
         with accelerator.autocast():
             part = adapter.training_loss(run.denoiser, batch_latents, text, step_cfg, run.scheduler, gens)
         accelerator.backward(part * weight)
@@ -257,11 +258,11 @@ def _optimizer_step(run: _Run, batches, accum: int):
         loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)
     if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
         sum_gradients(accelerator, params)
-    if tc["max_grad_norm"] > 0:
-        accelerator.clip_grad_norm_(params, tc["max_grad_norm"])
+    if tc.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(params, tc.max_grad_norm)
     run.optimizer.step()
     if run.ema is not None:
-        update_ema(run.ema, run.named, tc["ema_decay"])
+        update_ema(run.ema, run.named, tc.ema_decay)
     run.lr_schedule.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss
@@ -272,29 +273,29 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
     tc, accelerator, main = run.tc, run.accelerator, run.main
     clock["window"].append(run.step_losses[-1])
     accelerator.log({"loss": run.step_losses[-1], "lr": run.lr_schedule.get_last_lr()[0]}, step=step)
-    if (step % tc["log_every"] == 0 or step == tc["max_steps"]) and main:
+    if (step % tc.log_every == 0 or step == tc.max_steps) and main:
         rate = (step - run.start) / max(time.perf_counter() - clock["t0"], 1e-9)
         window = clock["window"]
-        log.info("train: step %4d/%d  loss %.4f  lr %.2e  %.2f it/s  ETA %s", step, tc["max_steps"],
+        log.info("train: step %4d/%d  loss %.4f  lr %.2e  %.2f it/s  ETA %s", step, tc.max_steps,
                  sum(window) / len(window), run.lr_schedule.get_last_lr()[0], rate,
-                 _duration((tc["max_steps"] - step) / rate))
+                 _duration((tc.max_steps - step) / rate))
         clock["window"] = []
     if run.sampler.due(step) and main:
         run.sampler(step, run.denoiser, checkpoint_key(trajectory, step))
-    if run.held and main and validation.due(step, tc["validate_every_n_steps"], tc["max_steps"]):
+    if run.held and main and validation.due(step, tc.validate_every_n_steps, tc.max_steps):
         value = validation.score(run.adapter, run.denoiser, accelerator, run.held, *run.scoring[:2], tc,
                                  run.scheduler, run.scoring[2])
         run.val_losses.append({"step": step, "loss": value})
         accelerator.log({"validation_loss": value}, step=step)
         log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,
-                 tc["max_steps"], value, len(run.held), validation.DRAWS)
-    every, stop = tc["save_every_n_steps"], interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
-    if ((every and step % every == 0) or step == tc["max_steps"] or stop) and main:
+                 tc.max_steps, value, len(run.held), validation.DRAWS)
+    every, stop = tc.save_every_n_steps, interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
+    if ((every and step % every == 0) or step == tc.max_steps or stop) and main:
         _save_checkpoint(run.store, checkpoint_key(trajectory, step), step, run.named, run.optimizer,
                          run.step_losses, run.sampler.rendered, accelerator.scaler, run.ema,
                          run.val_losses if run.held else None)
     if stop:
-        interrupt.kept(f"a checkpoint of train step {step}/{tc['max_steps']}")
+        interrupt.kept(f"a checkpoint of train step {step}/{tc.max_steps}")
         raise interrupt.Interrupted(stop)
     accelerator.wait_for_everyone()
 
@@ -312,7 +313,7 @@ def _export(run: _Run, out_dir: Path) -> dict | None:
             **({"validation_loss": run.val_losses} if run.held else {})}
 
 
-def run(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
+def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
         on_samples: list | None = None) -> dict:
     """The train node: the stored LoRA for this key, or a new one trained in this process or, with
     `train.num_processes` > 1, under `accelerate launch` (tasks/training/distributed.py). `run_dir` receives the
@@ -321,17 +322,17 @@ def run(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict,
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
     key = key_of(node_inputs)
     status = check_items(store, KIND, [key])
-    if status.reused and checkpoint_samples.repair(store, KIND, key, trajectory_key(node_inputs, cfg["train"]),
-                                                   cfg["train"]["max_steps"]):
+    if status.reused and checkpoint_samples.repair(store, KIND, key, trajectory_key(node_inputs, cfg.train),
+                                                   cfg.train.max_steps):
         status.reused, status.missing, status.repaired = [], [key], [key]
-    ema = cfg["train"].get("ema_decay") is not None
+    ema = cfg.train.ema_decay is not None
     if ema and status.reused and not store.valid(EMA_KIND, key):  # made again from the last checkpoint
         status.reused, status.missing, status.repaired = [], [key], [key] if store.exists(EMA_KIND, key) else []
     resumed = None
     if status.missing:
-        trajectory = trajectory_key(node_inputs, cfg["train"])
+        trajectory = trajectory_key(node_inputs, cfg.train)
         with store.tmp_dir("train") as tmp:
-            if cfg["train"]["num_processes"] > 1 or cfg["train"]["num_machines"] > 1:
+            if cfg.train.num_processes > 1 or cfg.train.num_machines > 1:
                 from tasks.training.distributed import launch_training, wait_for_lora
 
                 out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir)
@@ -346,12 +347,12 @@ def run(cfg: dict, plan: Plan, store: Store, latent_keys: dict, text_keys: dict,
                 ema_file = out.pop("lora_ema", None)
                 if ema_file:  # stored before the LoRA: a stored LoRA of an EMA run has its EMA
                     canonicalize_safetensors(Path(ema_file))
-                    store.put_file(EMA_KIND, key, ema_file, meta={"lora": key, "ema_decay": cfg["train"]["ema_decay"]})
+                    store.put_file(EMA_KIND, key, ema_file, meta={"lora": key, "ema_decay": cfg.train.ema_decay})
                 store.put_file(KIND, key, out.pop("lora"), meta={**out, "family": plan.family})
         resumed = (out or {}).get("continued_from_step") or None
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
-                       losses=logged_losses(meta.get("step_losses", []), cfg["train"]["log_every"]),
+                       losses=logged_losses(meta.get("step_losses", []), cfg.train.log_every),
                        continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
                        sample_warnings=meta.get("sample_warnings", []),
                        validation_loss=meta.get("validation_loss", []), runtime=meta.get("runtime", {}),

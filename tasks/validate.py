@@ -8,7 +8,8 @@ import dataclasses
 import logging
 from collections import Counter
 
-from tasks.config import ConfigError
+from tasks.config import Config, ConfigError
+from tasks.config_schema import DataConfig
 from tasks.data import augment, controls, masks, subsets, video
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
 from tasks.data.image_memo import ImageMemo
@@ -45,21 +46,21 @@ def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dic
     return planned, warnings
 
 
-def run(cfg: dict, store: Store) -> dict:
+def run(cfg: Config, store: Store) -> dict:
     """The plan every later node reads: the dataset's items, the prompts, the model's identity, the memory
     estimate. Refuses a bad config, dataset or model here, before anything is cached."""
     errors = config_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     store.sweep_debris()  # what an earlier run left in tmp/ when it was killed
-    family = cfg["model"]["family"]
+    family = cfg.model.family
     adapter_cls = adapter_class(family)
-    size = resolve_size(cfg["data"]["resolution"], cfg["data"]["resolution_type"], adapter_cls.size_multiple)
-    items, dataset, dataset_subsets, layout_warnings = _read_dataset(cfg["data"], store, adapter_cls)
+    size = resolve_size(cfg.data.resolution, cfg.data.resolution_type, adapter_cls.size_multiple)
+    items, dataset, dataset_subsets, layout_warnings = _read_dataset(cfg.data, store, adapter_cls)
     plan_prompts, warnings = _read_prompts(cfg, adapter_cls, layout_warnings + _dataset_warnings(dataset))
     augmentation = _augmentation(cfg)
     model_dir, ids = _model_identity(cfg, store, adapter_cls)
-    adapter = make_adapter(cfg["model"], model_dir)
+    adapter = make_adapter(cfg.model, model_dir)
     estimate = memory.preflight(cfg, adapter, size)
     estimate.update(host_memory.preflight(cfg, adapter, size, estimate))  # RAM: swap, offload, loading (issue 43)
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
@@ -70,18 +71,18 @@ def run(cfg: dict, store: Store) -> dict:
         raise ConfigError("\n".join(errs))
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
              len(items), len(plan_prompts), model_dir, family, *size)
-    dc = cfg["data"]
-    held = validation.held_out(plan_items, dc["validation_split"])  # cached like the others, never trained
+    dc = cfg.data
+    held = validation.held_out(plan_items, dc.validation_split)  # cached like the others, never trained
     if held:
         log.info("validate: %d item(s) held out for the validation loss (data.validation_split=%g): %s",
-                 len(held), dc["validation_split"], ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
+                 len(held), dc.validation_split, ", ".join(held[:5]) + (", ..." if len(held) > 5 else ""))
     return Plan(family=family, model_dir=str(model_dir), ids=ids, size=list(size), items=plan_items,
                 prompts=plan_prompts, warnings=warnings, augmentation=augmentation, memory=estimate, dataset=dataset,
                 dataset_subsets=dataset_subsets, validation_items=held,
                 video=video.sample_defaults(dc, adapter_cls.clips.default_fps) if adapter_cls.clips else None)
 
 
-def _read_dataset(dc: dict, store: Store, adapter_cls) -> tuple[list, list[dict], list[dict], list[str]]:
+def _read_dataset(dc: DataConfig, store: Store, adapter_cls) -> tuple[list, list[dict], list[dict], list[str]]:
     """(item, its name, its subset) of every subset in subset order, the findings on bad files, the subsets'
     report and the folder layout's warnings."""
     chosen, layout_warnings = subsets.resolve(dc)
@@ -96,27 +97,27 @@ def _read_dataset(dc: dict, store: Store, adapter_cls) -> tuple[list, list[dict]
     return items, dataset, [s.report(len(check.items)) for s, check in checked], layout_warnings
 
 
-def _read_prompts(cfg: dict, adapter_cls, warnings: list[str]) -> tuple[list[dict], list[str]]:
-    prompts, prompt_warnings = read_prompts(cfg["sample"]["prompts_file"])
+def _read_prompts(cfg: Config, adapter_cls, warnings: list[str]) -> tuple[list[dict], list[str]]:
+    prompts, prompt_warnings = read_prompts(cfg.sample.prompts_file)
     warnings = warnings + prompt_warnings
-    plan_prompts, size_warnings = planned_prompts(prompts, cfg["sample"]["prompts_file"], adapter_cls.size_multiple)
+    plan_prompts, size_warnings = planned_prompts(prompts, cfg.sample.prompts_file, adapter_cls.size_multiple)
     warnings += size_warnings
     for w in warnings:
         log.warning("sample prompts: %s", w)
     return plan_prompts, warnings
 
 
-def _augmentation(cfg: dict) -> dict:
-    aug = augment.from_config(cfg["data"], cfg["text"], cfg["train"]["max_steps"])
+def _augmentation(cfg: Config) -> dict:
+    aug = augment.from_config(cfg.data, cfg.text, cfg.train.max_steps)
     mode = augment.text_mode(te_lora.text_settings(cfg), aug)  # train.text_encoder_lr: live
     augmentation = {"mode": mode, "active": augment.active(aug), "description": augment.describe(aug, mode)}
     if augmentation["active"]:
         log.info(augmentation["description"])
     return augmentation
 
-def _model_identity(cfg: dict, store: Store, adapter_cls) -> tuple:
+def _model_identity(cfg: Config, store: Store, adapter_cls) -> tuple:
     """The model's folder and the identity of each group of components the nodes' keys name."""
-    model_dir = resolve_model(cfg["model"], store)
+    model_dir = resolve_model(cfg.model, store)
     ids = {group: key_of(component_ids(model_dir, names, store)) for group, names in (
         ("vae", adapter_cls.latent_components), ("text", adapter_cls.text_components),
         ("denoiser", adapter_cls.denoiser_components), ("sample", adapter_cls.sample_components),
@@ -127,22 +128,22 @@ def _model_identity(cfg: dict, store: Store, adapter_cls) -> tuple:
     return model_dir, ids
 
 
-def _plan_items(cfg: dict, items: list, dataset: list[dict], adapter_cls, size) -> tuple:
+def _plan_items(cfg: Config, items: list, dataset: list[dict], adapter_cls, size) -> tuple:
     """The plan's items: each with its digest and caption, its clip's frames, mask and control images, its bucket,
     and the mirror images (data.flip_aug); the items left and the findings grown by what was left out."""
-    dc = cfg["data"]
+    dc = cfg.data
     # repeats / is_reg only where not at their defaults: a plain folder's plan (and keys) stay as they were
     plan_items = [{"name": name, "image": it.image_file, "image_digest": it.digest or digest_file(it.image_file),
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
     video.attach(dc, plan_items, [it for it, _, _ in items], adapter_cls.clips)  # each clip's frames and rate
-    for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc["control_dirs"] else []):
+    for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc.control_dirs else []):
         plan_items, left_out = attach(dc, plan_items, items)  # each item's mask / control images
         kept = {e["name"] for e in plan_items}
         items = [t for t in items if t[1] in kept]
         dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
-    if cfg["data"]["buckets"]:  # each image trains at the bucket closest to its aspect, about the same area
-        buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg["data"]["bucket_max_aspect"])
+    if cfg.data.buckets:  # each image trains at the bucket closest to its aspect, about the same area
+        buckets = bucket_sizes(*size, adapter_cls.size_multiple, cfg.data.bucket_max_aspect)
         for entry, (it, _, _) in zip(plan_items, items):
             entry["size"] = list(nearest_bucket(*it.size, buckets))
         counts = {}
@@ -150,7 +151,7 @@ def _plan_items(cfg: dict, items: list, dataset: list[dict], adapter_cls, size) 
             counts[tuple(entry["size"])] = counts.get(tuple(entry["size"]), 0) + 1
         log.info("validate: %d bucket(s): %s", len(counts),
                  ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items())))
-    if dc["flip_aug"]:  # the mirror image: one more item, its own latent, its source's caption texts
+    if dc.flip_aug:  # the mirror image: one more item, its own latent, its source's caption texts
         plan_items += [{**entry, "name": entry["name"] + FLIPPED, "flip_of": entry["name"]} for entry in plan_items]
     return plan_items, items, dataset
 

@@ -45,7 +45,7 @@ def pipeline(store_root, overrides=(), stop_after: str = "sample") -> dict:
     from tasks.store import Store
 
     cfg = resolve_paths(compose("train", [f"store.root={store_root}", *overrides])[0])
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     out = {"cache_latents": cache_latents.run(cfg, plan, store), "cache_text": cache_text.run(cfg, plan, store)}
     if stop_after == "cache_text":

@@ -16,6 +16,8 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from conftest import prefect_home
+from tasks.config import config_of
+from tasks.config_schema import ModelConfig, TrainConfig
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.models import make_adapter, resolve_model
 from tasks.plan import Plan
@@ -144,11 +146,10 @@ def generator(seed=0):
 
 
 def tiny_family(family, tmp_path, storage=None):
-    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32,
-             "storage_dtype": storage, "storage_modulation": False}
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32, storage_dtype=storage, storage_modulation=False)
     adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
-    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
-                                     "gradient_checkpointing": False}}
+    cfg = config_of({"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
+                                     "gradient_checkpointing": False}})
     return adapter, cfg
 
 
@@ -160,7 +161,7 @@ def one_image_inputs(adapter):
 
 
 def one_step_loss(adapter, denoiser, latents, text):
-    train_cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
+    train_cfg = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
     return adapter.training_loss(denoiser, latents, text, train_cfg, adapter.load_train_scheduler(), [generator(3)])
 
 

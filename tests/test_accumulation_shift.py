@@ -4,11 +4,13 @@ train.discrete_flow_shift (sd-scripts' options, diffusers' shift formulas); keys
 from __future__ import annotations
 
 
+from dataclasses import replace
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+from tasks.config_schema import TrainConfig
 from tasks import cache_latents, cache_text, train, validate
 from tasks.training import batches
 from tasks.config import compose, resolve_paths
@@ -74,11 +76,11 @@ def test_shift_formulas_are_diffusers():
 def test_shift_moves_sigmas_up_and_feeds_matching_timesteps():
     latents = torch.zeros(64, 4, 8, 8)
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
-    base = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, discrete_flow_shift=3.0)
+    base = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, discrete_flow_shift=3.0)
 
     def draw(mode):
         gens = [torch.Generator().manual_seed(i) for i in range(64)]
-        _, _, timesteps, sigmas = noise_latents(latents, {**base, "timestep_sampling": mode}, sched, gens)
+        _, _, timesteps, sigmas = noise_latents(latents, replace(base, timestep_sampling=mode), sched, gens)
         return timesteps, sigmas.flatten()
 
     t_uniform, s_uniform = draw("uniform")

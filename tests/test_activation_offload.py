@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tasks import cache_latents, cache_text, train, validate
-from tasks.config import compose, resolve_paths
+from tasks.config import compose, resolve_paths, updated
 from tasks.models import make_adapter
 from tasks.store import Store
 from tasks.training import activation_offload
@@ -29,7 +29,7 @@ def _cfg(tmp_path, *extra):
 
 
 def _lora_bytes(cfg) -> bytes:
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     return open(train.run(cfg, plan, store, lat["items"], txt["items"])["lora"], "rb").read()
@@ -49,7 +49,7 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
     cfg, store = _cfg(tmp_path, "model=tiny_flux", "train.mixed_precision=bf16"), Store(tmp_path / "store")
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    adapter = make_adapter(cfg.model, plan.model_dir)
     names = [it["name"] for it in plan.items[:2]]
     latents = torch.stack([store.get_tensors(cache_latents.KIND, lat["items"][n])["latents"] for n in names])
     texts = [store.get_tensors(cache_text.KIND, txt["items"][cache_text.caption_name(n, "full.v0")]) for n in names]
@@ -68,7 +68,7 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
 
     def step(offload: bool):
         torch.manual_seed(0)
-        den, named = prepare_denoiser(adapter, {**cfg, "train": {**cfg["train"], "gradient_checkpointing_offload": offload}})
+        den, named = prepare_denoiser(adapter, updated(cfg, {"train.gradient_checkpointing_offload": offload}))
         saved = {}
 
         def pack(t):
@@ -76,7 +76,7 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
                 saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-            loss = adapter.training_loss(den, latents, text, cfg["train"], adapter.load_train_scheduler(),
+            loss = adapter.training_loss(den, latents, text, cfg.train, adapter.load_train_scheduler(),
                                          [torch.Generator().manual_seed(i) for i in range(2)])
         loss.backward()
         return sum(saved.values()), {n: p.grad.clone() for n, p in named.items() if p.grad is not None}
@@ -93,14 +93,14 @@ def test_block_inputs_wait_on_the_host_not_in_the_graph(tmp_path, monkeypatch):
 def test_preflight_moves_the_block_inputs_to_the_host(tmp_path):
     cfg = _cfg(tmp_path, "model=tiny_flux", "train.mixed_precision=bf16", "train.batch_size=1", "model.quantize=nf4",
                "model.dtype=bfloat16")
-    adapter = make_adapter(cfg["model"], validate.run(cfg, Store(tmp_path / "store")).model_dir)
-    cfg["train"]["optimizer"] = "adamw8bit"  # (validate refuses it without CUDA): the estimate's remedies all taken
+    adapter = make_adapter(cfg.model, validate.run(cfg, Store(tmp_path / "store")).model_dir)
+    cfg.train.optimizer = "adamw8bit"  # (validate refuses it without CUDA): the estimate's remedies all taken
 
     def est(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, adapter.default_lora_targets(), (1024, 1024),
                         512, adapter.denoiser_cls, adapter.swap_blocks)
     plain = est(cfg)
-    off = est({**cfg, "train": {**cfg["train"], "gradient_checkpointing_offload": True}})
+    off = est(updated(cfg, {"train.gradient_checkpointing_offload": True}))
     config = adapter.load_denoiser().config
     blocks = config.num_layers + config.num_single_layers
     unit = ((1024 // 16) ** 2 + 512) * config.num_attention_heads * config.attention_head_dim * 2  # tokens x width, bf16

@@ -33,7 +33,7 @@ def test_ours_and_bare_same_latents_and_report(tmp_path):
     names = [it["name"] for it in plan.items]
     ours = [store.get_tensors(cache_latents.KIND, res["latent_keys"][n])["latents"] for n in names]
     bare = video_cache.bare_latents(plan.model_dir, [it["image"] for it in plan.items], FRAMES, plan.size,
-                                    cfg["model"]["dtype"], out=tmp_path)
+                                    cfg.model.dtype, out=tmp_path)
     assert [z.shape for z in ours] == [torch.Size([16, 1 + (FRAMES - 1) // 4, SIZE // 8, SIZE // 8])] * 2
     for a, b in zip(ours, bare):
         assert torch.equal(a, b)

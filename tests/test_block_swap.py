@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tasks import cache_latents, cache_text, train, validate
-from tasks.config import ConfigError, compose, resolve_paths
+from tasks.config import ConfigError, compose, resolve_paths, updated
 from tasks.models import make_adapter
 from tasks.store import Store
 from tasks.training.block_swap import blocks
@@ -24,7 +24,7 @@ def _cfg(tmp_path, *extra):
 
 
 def _lora_bytes(cfg) -> bytes:
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     out = train.run(cfg, plan, store, lat["items"], txt["items"])
@@ -41,8 +41,8 @@ def test_the_lora_is_byte_identical_with_and_without_swap(tmp_path, model, extra
 def test_swapped_weights_leave_the_module(tmp_path):
     cfg = _cfg(tmp_path, "train.blocks_to_swap=1")
     plan = validate.run(cfg, Store(tmp_path / "store"))
-    adapter = make_adapter(cfg["model"], plan.model_dir)
-    full, _ = prepare_denoiser(adapter, {**cfg, "train": {**cfg["train"], "blocks_to_swap": 0}})
+    adapter = make_adapter(cfg.model, plan.model_dir)
+    full, _ = prepare_denoiser(adapter, updated(cfg, {"train.blocks_to_swap": 0}))
     swapped, _ = prepare_denoiser(adapter, cfg)
     last = blocks(swapped, adapter.swap_blocks)[-1]
     frozen = [m for n, m in last.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n
@@ -65,7 +65,7 @@ def test_refusals(tmp_path):
         validate.run(cfg, Store(tmp_path / "store"))  # the preflight counts the blocks
     plan = validate.run(_cfg(tmp_path), Store(tmp_path / "store"))
     with pytest.raises(ConfigError, match=r"train.blocks_to_swap=99: this model has 2 transformer blocks"):
-        prepare_denoiser(make_adapter(cfg["model"], plan.model_dir), cfg)  # and the swap itself
+        prepare_denoiser(make_adapter(cfg.model, plan.model_dir), cfg)  # and the swap itself
 
 
 def test_train_loads_neither_vae_nor_text_encoders_with_complete_caches(tmp_path, monkeypatch):
@@ -74,7 +74,7 @@ def test_train_loads_neither_vae_nor_text_encoders_with_complete_caches(tmp_path
     from tasks.models.flux import FluxAdapter
 
     cfg = _cfg(tmp_path, "train.blocks_to_swap=1", "sample.every_n_steps=2", "sample.steps=2")
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
 
@@ -103,14 +103,14 @@ def test_copies_run_a_block_ahead_two_blocks_at_most(tmp_path, copy_on_host, che
     cfg = _cfg(tmp_path, "+model.arch.num_layers=2", "+model.arch.num_single_layers=2", "train.blocks_to_swap=3",
                f"train.gradient_checkpointing={str(checkpointing).lower()}")
     plan = validate.run(cfg, Store(tmp_path / "store"))
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    adapter = make_adapter(cfg.model, plan.model_dir)
     latents, text = _one_input(adapter, cfg, plan)
     grads = []
     for n in (0, 3):
         torch.manual_seed(0)  # the LoRA's initial weights
-        denoiser, named = prepare_denoiser(adapter, {**cfg, "train": {**cfg["train"], "blocks_to_swap": n}})
+        denoiser, named = prepare_denoiser(adapter, updated(cfg, {"train.blocks_to_swap": n}))
         denoiser.train()
-        loss = adapter.training_loss(denoiser, latents, text, cfg["train"], adapter.load_train_scheduler(),
+        loss = adapter.training_loss(denoiser, latents, text, cfg.train, adapter.load_train_scheduler(),
                                      [torch.Generator().manual_seed(0)])
         loss.backward()
         grads.append({k: p.grad.clone() for k, p in named.items()})
@@ -130,7 +130,7 @@ def test_the_lora_is_byte_identical_through_the_copies(tmp_path, copy_on_host):
 def test_a_block_is_one_buffer_and_its_weights_views_of_it(tmp_path):
     cfg = _cfg(tmp_path, "train.blocks_to_swap=2", "model.quantize=fp8")
     plan = validate.run(cfg, Store(tmp_path / "store"))
-    denoiser, _ = prepare_denoiser(make_adapter(cfg["model"], plan.model_dir), cfg)
+    denoiser, _ = prepare_denoiser(make_adapter(cfg.model, plan.model_dir), cfg)
     swap = denoiser.loraflow_block_swap
     for buffer, hosts in zip(swap.buffers, swap.hosts):
         assert buffer.dtype == torch.uint8 and hosts
@@ -140,7 +140,7 @@ def test_a_block_is_one_buffer_and_its_weights_views_of_it(tmp_path):
 
 def _one_input(adapter, cfg, plan):
     """The first demo image's cached latent and caption text, as a batch of one."""
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     name = plan.items[0]["name"]
     latents = store.get_tensors(cache_latents.KIND, lat["items"][name])["latents"][None].to(adapter.dtype)

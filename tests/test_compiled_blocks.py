@@ -4,12 +4,15 @@ rounding; the setting is in the LoRA's key; the report names the kernels; a mach
 told so in one line."""
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tasks.config import config_of
+from tasks.config_schema import ModelConfig, TrainConfig
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
 from tasks.training import compiled_blocks
@@ -18,12 +21,12 @@ from tasks.training.train_key import inputs
 from tasks.training.train_setup import prepare_denoiser
 from support import a_plan
 
-MODEL = {"path": None, "seed": 0, "arch": {}, "dtype": "float32", "max_sequence_length": 32, "storage_dtype": None,
-         "storage_modulation": False, "quantize": "none", "matmul": "auto"}
+MODEL = ModelConfig(path=None, seed=0, arch={}, dtype="float32", max_sequence_length=32, storage_dtype=None,
+                    storage_modulation=False, quantize="none", matmul="auto")
 
 
 def _adapter(family: str, root: Path):
-    model = {**MODEL, "family": family}
+    model = replace(MODEL, family=family)
     return make_adapter(model, resolve_model(model, Store(root))), model
 
 
@@ -33,7 +36,7 @@ def _step(adapter, denoiser, named):
     latents = adapter.encode_latents(adapter.load_vae(), pixels)
     text = {k: v[None].repeat(2, *[1] * v.dim())
             for k, v in adapter.encode_text(adapter.load_text_encoders(), ["a red circle"])[0].items()}
-    cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
+    cfg = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
     loss = adapter.training_loss(denoiser, latents, text, cfg, adapter.load_train_scheduler(),
                                  [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)])
     loss.backward()
@@ -47,9 +50,9 @@ def _step(adapter, denoiser, named):
     ({"quantize": "nf4"}, {})])
 def test_a_compiled_step_equals_eager_within_fp32_rounding(tmp_path, model_extra, train_extra):
     adapter, model = _adapter("flux", tmp_path)
-    model = {**model, **model_extra}
-    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": True,
-                                     **train_extra}}
+    model = replace(model, **model_extra)
+    cfg = config_of({"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
+                                               "gradient_checkpointing": True, **train_extra}})
     torch.manual_seed(0)
     eager, eager_lora = prepare_denoiser(adapter, cfg)
     torch.manual_seed(0)
@@ -88,9 +91,9 @@ def test_the_setting_enters_the_key_only_when_on():
 
 def test_a_machine_without_a_compiler_is_told_in_one_line(monkeypatch):
     monkeypatch.setattr(compiled_blocks.shutil, "which", lambda name: None)
-    (msg,) = compile_errors({"compile": True}, cuda=False)
+    (msg,) = compile_errors(TrainConfig(compile=True), cuda=False)
     assert "train.compile=true" in msg and "C++ compiler" in msg and "\n" not in msg
-    assert compile_errors({"compile": False}, cuda=False) == []
+    assert compile_errors(TrainConfig(compile=False), cuda=False) == []
 
 
 def test_the_report_names_the_kernel_paths():

@@ -13,8 +13,8 @@ from tasks.config import ConfigError
 def test_defaults_compose_with_demo_paths():
     cfg, run_dir = compose("train", ["hydra.run.dir=/tmp/somewhere"])
     plain = resolve_paths(cfg)
-    assert plain["data"]["dir"].endswith("data/demo")
-    assert plain["model"]["family"] == "flux" and plain["model"]["name"] == "tiny_flux"
+    assert plain.data.dir.endswith("data/demo")
+    assert plain.model.family == "flux" and plain.model.name == "tiny_flux"
     assert str(run_dir) == "/tmp/somewhere"
 
 
@@ -68,6 +68,6 @@ def test_model_configs_compose(name, family, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # sd15 / sdxl_base: fp16 weights, GPU configs
     cfg, _ = compose("train", [f"model={name}", "model.config=/somewhere/base"])
     plain = resolve_paths(cfg)
-    assert plain["model"]["family"] == family and plain["model"]["name"] == name
-    assert (plain["model"]["path"] is None) == name.startswith("tiny_")
+    assert plain.model.family == family and plain.model.name == name
+    assert (plain.model.path is None) == name.startswith("tiny_")
     assert check_config(plain) == []

@@ -36,10 +36,10 @@ def test_demo_teaches_the_base_a_new_shape(prefect_api, tmp_path):
 def _learning_defaults() -> dict:
     from tasks.config import compose, resolve_paths
 
-    return resolve_paths(compose("train", ["experiment=demo"])[0])["learning"]
+    return resolve_paths(compose("train", ["experiment=demo"])[0]).learning
 
 
 def test_learning_is_off_without_a_scorer():
     from tasks.config import compose, resolve_paths
 
-    assert resolve_paths(compose("train", [])[0])["learning"]["scorer"] is None
+    assert resolve_paths(compose("train", [])[0]).learning.scorer is None

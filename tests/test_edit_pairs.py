@@ -104,7 +104,7 @@ def test_control_changes_the_loss(pairs, model):
     plan = validate.run(cfg, store)
     lat = cache_latents.run(cfg, plan, store)
     txt = cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    adapter = make_adapter(cfg.model, plan.model_dir)
     den = adapter.load_denoiser()
     target = store.get_tensors(cache_latents.KIND, lat["items"]["img_00.png"])["latents"][None]
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
@@ -114,7 +114,7 @@ def test_control_changes_the_loss(pairs, model):
 
     def loss(extra):
         gens = [torch.Generator().manual_seed(0)]
-        return adapter.training_loss(den, target, {**text, **extra}, cfg["train"], scheduler, gens).item()
+        return adapter.training_loss(den, target, {**text, **extra}, cfg.train, scheduler, gens).item()
 
     with torch.no_grad():
         plain, with_control = loss({}), loss({"control_latents": control[None, None]})

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tasks.config_schema import TrainConfig
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.publish import publish
@@ -33,15 +34,15 @@ def _train(store_root, *extra, run_dir=None):
 
 def test_ema_of_a_known_sequence():
     w = {"a": torch.nn.Parameter(torch.tensor([0.0, 4.0]))}
-    assert make_ema({"ema_decay": None}, w) is None
-    ema = make_ema({"ema_decay": 0.5}, w)  # starts at the initial weights
+    assert make_ema(TrainConfig(ema_decay=None), w) is None
+    ema = make_ema(TrainConfig(ema_decay=0.5), w)  # starts at the initial weights
     for value in ([1.0, 0.0], [2.0, 0.0], [3.0, 8.0]):
         with torch.no_grad():
             w["a"].copy_(torch.tensor(value))
         update_ema(ema, w, 0.5)
     # 0.5*0 + 0.5*1 = 0.5; 0.5*0.5 + 0.5*2 = 1.25; 0.5*1.25 + 0.5*3 = 2.125 | 4 -> 2 -> 1 -> 4.5
     assert ema["a"].tolist() == [2.125, 4.5]
-    ema = make_ema({"ema_decay": 0.9}, w)
+    ema = make_ema(TrainConfig(ema_decay=0.9), w)
     update_ema(ema, {"a": torch.nn.Parameter(torch.tensor([13.0, -2.0]))}, 0.9)
     assert_close(ema["a"], torch.tensor([0.9 * 3 + 0.1 * 13, 0.9 * 8 - 0.1 * 2]), n=2, what="ema")  # a float32 lerp
 
@@ -50,7 +51,7 @@ def test_ema_decay_enters_the_key_only_when_set_and_is_checked():
     from tasks.validate import config_errors
 
     plain = _cfg()
-    assert plain["train"]["ema_decay"] is None and config_errors(plain) == []
+    assert plain.train.ema_decay is None and config_errors(plain) == []
     for bad in ("0", "1", "1.5", "-0.1", "nan"):
         errors = config_errors(_cfg(f"train.ema_decay={bad}"))
         assert errors and all("train.ema_decay" in e for e in errors), (bad, errors)

@@ -14,6 +14,7 @@ import torch
 from diffusers import Flux2Pipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
+from tasks.config_schema import ModelConfig, TrainConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 from test_cli import REPO
@@ -28,7 +29,7 @@ TEXTS = [PROMPT, "", "a much longer caption about a green square on a white back
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    model = {"family": "flux2_dev", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="flux2_dev", path=None, seed=0, arch={})
     return adapter_class("flux2_dev")(resolve_model(model, Store(tmp_path_factory.mktemp("store"))), "float32", SEQ)
 
 
@@ -83,7 +84,7 @@ def test_training_feeds_train_guidance_to_the_guidance_embedding(adapter):
     assert transformer.config.guidance_embeds
 
     def loss(guidance):
-        cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=guidance)
+        cfg = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=guidance)
         with torch.no_grad():
             return adapter.training_loss(transformer, latents, text, cfg, scheduler, [torch.Generator().manual_seed(3)])
 

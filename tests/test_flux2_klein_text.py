@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from diffusers import Flux2KleinPipeline
 
+from tasks.config_schema import ModelConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 
@@ -15,7 +16,7 @@ TEXTS = ["a red circle on a blue background", "", "a much longer caption about a
 
 
 def test_flux2_klein_encode_text_equals_the_pipelines_encode_prompt(tmp_path):
-    model = {"family": "flux2_klein", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="flux2_klein", path=None, seed=0, arch={})
     adapter = adapter_class("flux2_klein")(resolve_model(model, Store(tmp_path / "store")), "float32", SEQ)
     encoders = adapter.load_text_encoders()
     ours = [adapter.encode_text(encoders, [t])[0] for t in TEXTS]

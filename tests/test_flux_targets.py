@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
+from tasks.config_schema import TrainConfig
 from tasks.models.flux import FluxAdapter  # noqa: E402
 from tasks.models.tiny.flux import build_tiny_flux  # noqa: E402
 from support import a_plan  # noqa: E402
@@ -41,7 +42,7 @@ def test_default_targets_are_the_blocks_only(adapter):
 def test_memory_estimate_counts_the_same_modules(adapter):
     from tasks.training.memory import _lora_params, lora_targets
 
-    targets = lora_targets({"target_modules": None}, adapter)
+    targets = lora_targets(TrainConfig(target_modules=None), adapter)
     model, _ = _lora_modules(adapter, targets)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
     shapes = {n.replace(".base_layer", ""): s for n, s in shapes.items()}
@@ -52,7 +53,7 @@ def test_memory_estimate_counts_the_same_modules(adapter):
 def test_explicit_targets_keep_suffix_matching(adapter):
     from tasks.training.memory import lora_targets
 
-    assert lora_targets({"target_modules": ["to_q"]}, adapter) == ["to_q"]
+    assert lora_targets(TrainConfig(target_modules=["to_q"]), adapter) == ["to_q"]
 
 
 def test_only_flux_train_keys_change():

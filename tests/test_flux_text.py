@@ -7,6 +7,7 @@ import logging
 import torch
 from diffusers import FluxPipeline
 
+from tasks.config_schema import ModelConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 
@@ -16,7 +17,7 @@ TEXTS = ["a red circle on a blue background", "", "a much longer caption about a
 
 
 def test_flux_encode_text_equals_the_pipelines_encode_prompt(tmp_path, caplog):
-    model = {"family": "flux", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="flux", path=None, seed=0, arch={})
     adapter = adapter_class("flux")(resolve_model(model, Store(tmp_path / "store")), "float32", SEQ)
     with caplog.at_level(logging.WARNING, logger="loraflow"):
         encoders = adapter.load_text_encoders()

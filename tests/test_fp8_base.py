@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers.hooks import apply_layerwise_casting
 
+from tasks.config import updated
 from tasks.training.fp8_base import store_base_low
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
@@ -77,7 +78,7 @@ def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
     torch.manual_seed(0)  # the LoRA's initial weights, as the train node seeds them
     low, low_lora = prepare_denoiser(adapter, cfg)
     torch.manual_seed(0)
-    ref, ref_lora = prepare_denoiser(adapter, {**cfg, "model": {**cfg["model"], "storage_dtype": None}})
+    ref, ref_lora = prepare_denoiser(adapter, updated(cfg, {"model.storage_dtype": None}))
     low_params = dict(low.named_parameters())
     stored = [n for n, p in low_params.items() if p.dtype == FP8]
     assert stored and any("conv" in n for n in stored) == (family in ("sdxl", "sd15"))

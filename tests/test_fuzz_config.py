@@ -251,7 +251,7 @@ def outcome(override: str, key: str) -> list[str]:
         assert KEY_RE[key].search(e), (override, e)
     section, name = key.split(".")
     if not errors and key in SENSIBLE:
-        assert SENSIBLE[key](plain[section][name]), f"{override} accepted as {plain[section][name]!r}"
+        assert SENSIBLE[key](getattr(getattr(plain, section), name)), f"{override} accepted as {getattr(getattr(plain, section), name)!r}"
     return errors
 
 

@@ -10,15 +10,15 @@ import pytest
 
 from bench.gpu import FLUX_DEV
 from bench.memory import write_headers
-from tasks.config import ConfigError
+from tasks.config import ConfigError, config_of, updated
 from tasks.training import host_memory
 from tasks.training.memory import estimate
 
 
 def _cfg(**train):
-    return {"model": {"dtype": "bfloat16", "storage_dtype": None, "quantize": "nf4", "max_sequence_length": 512},
+    return config_of({"model": {"dtype": "bfloat16", "storage_dtype": None, "quantize": "nf4", "max_sequence_length": 512},
             "train": {"rank": 16, "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16",
-                      "gradient_checkpointing": True, **train}}
+                      "gradient_checkpointing": True, **train}})
 
 
 def _estimate_for(folder):
@@ -66,7 +66,7 @@ def test_loading_holds_one_tensor_streamed_and_the_whole_base_for_dora():
     cfg = _cfg()
     # the largest tensor as read (bf16) and its fp32 copy where a scale is applied: 6 bytes an element
     assert host_memory.loading_gb(cfg, shapes, file_bytes) * host_memory.GB == 3072 * 12288 * 6
-    dora = {**cfg, "train": {**cfg["train"], "network": "dora"}}
+    dora = updated(cfg, {"train.network": "dora"})
     assert host_memory.loading_gb(dora, shapes, file_bytes) * host_memory.GB == (3072 * 12288 + 64 * 64) * 2
 
 
@@ -77,7 +77,7 @@ def test_validate_refuses_a_truncated_model_file_in_one_line(tmp_path):
     from tasks.store import Store
 
     cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}"])[0])
-    built = resolve_model(cfg["model"], Store(tmp_path / "store"))
+    built = resolve_model(cfg.model, Store(tmp_path / "store"))
     local = tmp_path / "model"
     shutil.copytree(built, local)
     file = next((local / "transformer").glob("*.safetensors"))

@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.config_schema import TrainConfig
 from tasks.data.clips import Video
 from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
 from tasks.models.tiny.hunyuan_video15 import build_tiny_hunyuan_video15
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Qwen2.5-VL tokens (tiny_hunyuan_video15.yaml's max_sequence_length); ByT5: min(256, L)
-TRAIN = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, loss="l2")
+TRAIN = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, loss="l2")
 CAPTIONS = ["a red box moving right", 'a sign that says "HELLO" in the rain', ""]
 
 

@@ -19,18 +19,18 @@ LAYERS = {
     "tasks.store": (),  # content-addressed entries, keys, bookkeeping: nothing else of the project
     "tasks.demo": (),  # the demo's generated world and its scorer: numpy and PIL only
     # what goes in: images, captions, prompts, augmentation (tasks.plan: the plan's schema, which imports nothing)
-    "tasks.data": ("tasks.store", "tasks.config", "tasks.plan"),
-    "tasks.models": ("tasks.store", "tasks.config", "tasks.runtime", "tasks.data"),  # one adapter per family
+    "tasks.data": ("tasks.store", "tasks.config", "tasks.config_schema", "tasks.plan"),
+    "tasks.models": ("tasks.store", "tasks.config", "tasks.config_schema", "tasks.runtime", "tasks.data"),  # one adapter per family
     # its parts (docs/layout.md), each below the adapters: what the adapters share, the weights' readers, the
     # LoRA variants, and the tiny builders (which need nothing of an adapter: a family's tests build its model alone)
-    "tasks.models.bases": ("tasks.config", "tasks.runtime", "tasks.data", "tasks.models.loading",
+    "tasks.models.bases": ("tasks.config", "tasks.config_schema", "tasks.runtime", "tasks.data", "tasks.models.loading",
                            "tasks.models.lora_variants"),
-    "tasks.models.loading": ("tasks.config",),
-    "tasks.models.lora_variants": ("tasks.config",),
+    "tasks.models.loading": ("tasks.config", "tasks.config_schema",),
+    "tasks.models.lora_variants": ("tasks.config", "tasks.config_schema",),
     "tasks.models.tiny": (),
     # the train node's parts; never tasks.train. The samples rendered during training are the sample node's
     # (and name prompts as validate plans them, texts as cache_text keys them)
-    "tasks.training": ("tasks.store", "tasks.config", "tasks.plan", "tasks.runtime", "tasks.data", "tasks.models",
+    "tasks.training": ("tasks.store", "tasks.config", "tasks.config_schema", "tasks.plan", "tasks.runtime", "tasks.data", "tasks.models",
                        "tasks.items", "tasks.sample", "tasks.cache_text", "tasks.cache_latents", "tasks.validate"),
     # loraflow-lora: LoRA files (training.export's names and writer) and base models (the families' classes)
     "tasks.lora_tools": ("tasks.training", "tasks.models"),

@@ -31,7 +31,7 @@ def put(self, kind, key, ext, write, meta=None, **kw):
 Store.put = put
 
 cfg = resolve_paths(compose("train", [f"store.root={sys.argv[1]}"])[0])
-store = Store(cfg["store"]["root"])
+store = Store(cfg.store.root)
 cache_latents.run(cfg, validate.run(cfg, store), store)
 """
 

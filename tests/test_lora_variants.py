@@ -59,7 +59,7 @@ def test_exported_variant_loads_in_diffusers_as_trained(family, overrides, tmp_p
            {o.split("=")[0] for o in overrides if o.startswith(("train.network", "train.rslora"))}
 
     # the trained adapter, rebuilt as training builds it, with the stored weights
-    adapter = adapter_class(family)(plan.model_dir, "float32", cfg["model"]["max_sequence_length"])
+    adapter = adapter_class(family)(plan.model_dir, "float32", cfg.model.max_sequence_length)
     reference, _ = prepare_denoiser(adapter, cfg)
     stored = publish.peft_from_diffusers(load_file(lora["lora"]))
     assert any("lora_magnitude_vector" in k for k in stored) == ("train.network=dora" in overrides)
@@ -68,7 +68,7 @@ def test_exported_variant_loads_in_diffusers_as_trained(family, overrides, tmp_p
     width = sums(reference)["n"]  # the widest layer's input: terms in each of its sums
 
     files = {"diffusers": publish.diffusers_file(store, lora)}
-    if cfg["export"]["format"] == "both" and family == "sd15":  # diffusers reads sd15 kohya files too
+    if cfg.export.format == "both" and family == "sd15":  # diffusers reads sd15 kohya files too
         files["kohya"] = publish.kohya_file(cfg, plan, store, lora)
     for fmt, file in files.items():
         pipe = adapter.pipeline_cls.from_pretrained(plan.model_dir, use_safetensors=True)

@@ -2,6 +2,7 @@
 (SD1.5/SDXL), each on a known input; in the train key only when they take effect; refused where they do not apply."""
 from __future__ import annotations
 
+from dataclasses import replace
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_snr
 
+from tasks.config_schema import TrainConfig
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models.bases.losses import ddpm_loss, elementwise, flow_loss, min_snr_weights, offset_noise
@@ -17,7 +19,7 @@ from tolerance import approx, assert_close
 from support import a_plan
 
 NEW = ("train.noise_offset", "train.loss", "train.huber_c", "train.min_snr_gamma", "train.network", "train.rslora")
-L2 = {"loss": "l2", "huber_c": 0.1, "min_snr_gamma": None, "noise_offset": 0.0}
+L2 = TrainConfig(loss="l2", huber_c=0.1, min_snr_gamma=None, noise_offset=0.0)
 
 
 def _cfg(*overrides):
@@ -29,17 +31,17 @@ def test_huber_against_hand_values():
     pred, target = torch.tensor([[0.0, 0.05, 1.0, -3.0]]), torch.zeros(1, 4)
     # 2c(sqrt(d^2 + c^2) - c), c = 0.1: by hand
     hand = [0.0, 0.2 * (math.sqrt(0.0025 + 0.01) - 0.1), 0.2 * (math.sqrt(1.01) - 0.1), 0.2 * (math.sqrt(9.01) - 0.1)]
-    huber = elementwise(pred, target, {**L2, "loss": "huber"})
+    huber = elementwise(pred, target, replace(L2, loss="huber"))
     # float32 against float64 by hand: a square, a sum, a root and a product an element (4 roundings)
     assert_close(huber, torch.tensor([hand]), n=1, stages=4, what="huber")
     assert_close(elementwise(pred, target, L2), torch.tensor([[0.0, 0.0025, 1.0, 9.0]]), n=1, what="l2")
     assert huber[0, 3] < 0.7  # an outlier pulls linearly (~2c|d|), not quadratically (9.0)
     # the families' mean losses use it; l2 at the defaults is exactly the old mse
     sched = DDPMScheduler()
-    assert ddpm_loss(pred, target, {**L2, "loss": "huber"}, sched, None).item() == approx(sum(hand) / 4, n=4, stages=4)
+    assert ddpm_loss(pred, target, replace(L2, loss="huber"), sched, None).item() == approx(sum(hand) / 4, n=4, stages=4)
     assert torch.equal(ddpm_loss(pred, target, L2, sched, None), torch.nn.functional.mse_loss(pred, target))
     ones = torch.ones(1, 1)
-    assert flow_loss(pred, target, ones, {**L2, "loss": "huber"}).item() == approx(sum(hand) / 4, n=4, stages=4)
+    assert flow_loss(pred, target, ones, replace(L2, loss="huber")).item() == approx(sum(hand) / 4, n=4, stages=4)
 
 
 @pytest.mark.numerics
@@ -53,7 +55,7 @@ def test_min_snr_weights_are_diffusers_example(prediction_type):
     assert_close(min_snr_weights(sched, t, 5.0), expected, n=1, stages=3, what="min-snr weights")  # a min and a ratio
     pred, target = torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 2, 3, 3)
     per_item = (pred ** 2).mean(dim=(1, 2, 3))
-    loss = ddpm_loss(pred, target, {**L2, "min_snr_gamma": 5.0}, sched, t)
+    loss = ddpm_loss(pred, target, replace(L2, min_snr_gamma=5.0), sched, t)
     assert_close(loss, (per_item * expected).mean(), n=pred.numel(), stages=2, what="weighted loss")
     if prediction_type == "epsilon":  # low-noise steps (high SNR) weigh little, high-noise ones fully
         assert expected[0] < 0.1 and expected[-1] == 1
@@ -65,7 +67,7 @@ def test_noise_offset_adds_one_constant_per_item_and_channel_from_its_generator(
 
     def apply(offset):
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-        return offset_noise(noise, {"noise_offset": offset}, gens), gens
+        return offset_noise(noise, TrainConfig(noise_offset=offset), gens), gens
 
     out, gens = apply(0.1)
     shift = out - noise
@@ -91,12 +93,7 @@ def test_options_refused_where_they_do_not_apply():
 def test_options_enter_the_key_only_when_they_take_effect():
     plan = a_plan(family="sd15", ids={"denoiser": "d", "scheduler": "s"})
     default = train.inputs(_cfg(), plan, {}, {})
-    assert not set(NEW) & set(default)
-    # the key a config without these settings (before this change) had
-    old = _cfg()
-    for k in NEW:
-        del old["train"][k.split(".")[1]]
-    assert train.inputs(old, plan, {}, {}) == default
+    assert not set(NEW) & set(default)  # so the key is the one a config had before these settings existed
     assert "train.huber_c" not in train.inputs(_cfg("train.huber_c=0.3"), plan, {}, {})  # no effect under l2
     keyed = train.inputs(_cfg("train.noise_offset=0.1", "train.loss=huber", "train.min_snr_gamma=5",
                               "train.network=dora", "train.rslora=true"), plan, {}, {})

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.config_schema import TrainConfig
 from tasks.config import ConfigError
 from tasks.data.clips import Video
 from tasks.models.ltx2 import LTX2Adapter
@@ -23,7 +24,7 @@ from tasks.models.tiny.ltx2 import build_tiny_ltx2
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Gemma tokens (tiny_ltx2.yaml's max_sequence_length)
-TRAIN = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, loss="l2")
+TRAIN = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, loss="l2")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+from tasks.models.bases.losses import BatchTrainConfig
+from tasks.config_schema import TrainConfig
 from tasks import cache_latents, cache_text, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data import masks
@@ -38,7 +40,7 @@ def test_masked_out_elements_give_no_gradient(loss):
     gen = torch.Generator().manual_seed(0)
     pred = torch.randn(2, 4, 8, 8, generator=gen, requires_grad=True)
     target = torch.randn(2, 4, 8, 8, generator=gen)
-    cfg = {"loss": loss, "huber_c": 0.1, "loss_mask": _half_mask()}
+    cfg = BatchTrainConfig(loss=loss, huber_c=0.1, loss_mask=_half_mask())
     for value in (flow_loss(pred, target, torch.ones(2, 1, 1, 1), cfg),
                   ddpm_loss(pred, target, cfg, scheduler=None, timesteps=None)):
         (grad,) = torch.autograd.grad(value, pred)
@@ -49,9 +51,9 @@ def test_masked_out_elements_give_no_gradient(loss):
 def test_mask_of_ones_is_the_unmasked_loss():
     gen = torch.Generator().manual_seed(1)
     pred, target = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 4, 8, 8, generator=gen)
-    ones = {"loss": "l2", "loss_mask": torch.ones(2, 1, 8, 8)}
+    ones = BatchTrainConfig(loss="l2", loss_mask=torch.ones(2, 1, 8, 8))
     # x * 1.0 is exact, so both are the same sum of the same squares; only mse_loss's summation order may differ
-    a, b = ddpm_loss(pred, target, ones, None, None), ddpm_loss(pred, target, {"loss": "l2"}, None, None)
+    a, b = ddpm_loss(pred, target, ones, None, None), ddpm_loss(pred, target, TrainConfig(loss="l2"), None, None)
     assert abs(a.item() - b.item()) <= 256 * torch.finfo(torch.float32).eps * b.item()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.config import ConfigError
+from tasks.config_schema import ModelConfig, TrainConfig
+from tasks.config import ConfigError, config_of
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
 from tasks.training.train_setup import prepare_denoiser
@@ -14,17 +15,17 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _cfg(storage=None, checkpointing=False, modulation=False):
-    return {"model": {"family": "flux", "dtype": "bfloat16", "max_sequence_length": 32, "storage_dtype": storage,
+    return config_of({"model": {"family": "flux", "dtype": "bfloat16", "max_sequence_length": 32, "storage_dtype": storage,
                       "storage_modulation": modulation},
-            "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": checkpointing}}
+            "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": checkpointing}})
 
 
 @pytest.mark.parametrize("family,modulation", [("flux", False), ("flux", True), ("sd3", True), ("sdxl", False)])
 def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, modulation, tmp_path):
-    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32}
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32)
     adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
     cfg = _cfg("float8_e4m3fn", modulation=modulation)
-    cfg["model"]["family"] = family
+    cfg.model.family = family
     denoiser, named = prepare_denoiser(adapter, cfg)
 
     dtypes = {n: p.dtype for n, p in denoiser.named_parameters()}
@@ -50,7 +51,7 @@ def test_fp8_base_keeps_embeddings_norms_and_lora_out_of_fp8(family, modulation,
         pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
         latents = adapter.encode_latents(adapter.load_vae(), pixels.to(torch.bfloat16)).to(torch.bfloat16)
         text = {k: v[None] for k, v in adapter.encode_text(adapter.load_text_encoders(), ["a red circle"])[0].items()}
-        train_cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
+        train_cfg = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, guidance=1.0)
         loss = adapter.training_loss(denoiser, latents, text, train_cfg, adapter.load_train_scheduler(),
                                      [torch.Generator().manual_seed(0)])
         loss.backward()

@@ -8,7 +8,8 @@ import struct
 import pytest
 import torch
 
-from tasks.config import ConfigError
+from tasks.config_schema import ModelConfig
+from tasks.config import ConfigError, config_of, updated
 from tasks.training.memory import GB, estimate, fitting_settings
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
@@ -92,15 +93,15 @@ def test_flux2_dev_at_1024(tmp_path):
 
 
 def _cfg(**train):
-    return {"model": {"dtype": "bfloat16", "storage_dtype": None, "max_sequence_length": 512},
+    return config_of({"model": {"dtype": "bfloat16", "storage_dtype": None, "max_sequence_length": 512},
             "train": {"rank": 16, "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16",
-                      "gradient_checkpointing": False, **train}}
+                      "gradient_checkpointing": False, **train}})
 
 
 def _est(folder, cfg):
     from diffusers import FluxTransformer2DModel
 
-    return estimate(cfg, folder, "transformer", TARGETS, (1024, 1024), cfg["model"]["max_sequence_length"],
+    return estimate(cfg, folder, "transformer", TARGETS, (1024, 1024), cfg.model.max_sequence_length,
                     FluxTransformer2DModel)
 
 
@@ -109,8 +110,7 @@ def test_flux_dev_at_1024(flux_dev_headers):
     assert 11.8e9 < plain["params"] < 12.0e9 and 22 < plain["weights_gb"] < 23  # FLUX.1-dev: 11.9 B parameters
     checkpointed = _est(flux_dev_headers, _cfg(gradient_checkpointing=True))
     assert checkpointed["activations_gb"] < plain["activations_gb"] / 10
-    fp8 = _est(flux_dev_headers, {**_cfg(gradient_checkpointing=True),
-                                  "model": {**_cfg()["model"], "storage_dtype": "float8_e4m3fn"}})
+    fp8 = _est(flux_dev_headers, updated(_cfg(gradient_checkpointing=True), {"model.storage_dtype": "float8_e4m3fn"}))
     # the AdaLN modulation linears (3.2 B parameters) stay bf16 under diffusers' layerwise casting
     assert checkpointed["weights_gb"] / 2 < fp8["weights_gb"] < checkpointed["weights_gb"] * 0.7
     assert plain["total_gb"] > 24 and fp8["total_gb"] < 20
@@ -130,17 +130,17 @@ def test_flux_dev_quantized_and_swapped(flux_dev_headers):
         return estimate(cfg, flux_dev_headers, "transformer", TARGETS, (1024, 1024), 512, FluxTransformer2DModel, lists)
 
     ckpt = _cfg(gradient_checkpointing=True)
-    with_model = lambda **m: {**ckpt, "model": {**ckpt["model"], **m}}  # noqa: E731
+    with_model = lambda **m: updated(ckpt, {f"model.{k}": v for k, v in m.items()})  # noqa: E731
     bf16, int8, nf4 = est(ckpt), est(with_model(quantize="int8")), est(with_model(quantize="nf4"))
     # the block Linears (all but 0.1 B of the 11.9 B) at 1 and ~0.52 bytes; the modulation linears stay bf16
     assert int8["weights_gb"] < 0.75 * bf16["weights_gb"] and nf4["weights_gb"] < int8["weights_gb"] - 2
-    swap = est({**with_model(quantize="int8"), "train": {**ckpt["train"], "blocks_to_swap": 38}})
+    swap = est(updated(ckpt, {"model.quantize": "int8", "train.blocks_to_swap": 38}))
     assert 4 < swap["host_gb"] and swap["weights_gb"] + swap["host_gb"] > int8["weights_gb"]  # + one layer in flight
     assert bf16["host_gb"] == 0
     fits = fitting_settings(_cfg(), 8.0, est, max_swap=57)
     assert len(fits) == 1 and "train.blocks_to_swap=" in fits[0] and "model.quantize=" in fits[0], fits
     with pytest.raises(ConfigError, match="this model has 57 transformer blocks"):
-        est({**ckpt, "train": {**ckpt["train"], "blocks_to_swap": 58}})
+        est(updated(ckpt, {"train.blocks_to_swap": 58}))
 
 
 def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers):
@@ -153,10 +153,10 @@ def test_flux_dev_fp8_weights_are_the_bytes_the_fp8_base_keeps(flux_dev_headers)
         model = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).requires_grad_(False)
     store_base_low(model, torch.float8_e4m3fn, torch.bfloat16, layerwise_skip_patterns(FluxTransformer2DModel))
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    fp8 = _est(flux_dev_headers, {**_cfg(), "model": {**_cfg()["model"], "storage_dtype": "float8_e4m3fn"}})
+    fp8 = _est(flux_dev_headers, updated(_cfg(), {"model.storage_dtype": "float8_e4m3fn"}))
     assert fp8["weights_gb"] * GB == held
-    fp8_all = _est(flux_dev_headers, {**_cfg(), "model": {**_cfg()["model"], "storage_dtype": "float8_e4m3fn",
-                                                           "storage_modulation": True}})
+    fp8_all = _est(flux_dev_headers, updated(_cfg(), {"model.storage_dtype": "float8_e4m3fn",
+                                                   "model.storage_modulation": True}))
     assert held - fp8_all["weights_gb"] * GB > 3.0 * GB  # the 3.2 B AdaLN modulation parameters, a byte each
 
 
@@ -167,11 +167,10 @@ def test_estimated_weights_are_what_the_train_node_holds(family, modulation, tmp
     """The estimate's weight bytes equal those the denoiser the train node prepares holds (fp8 base; its
     parameters and saved buffers, LoRA left out), for transformers with AdaLN and a UNet with convolutions
     and group norms."""
-    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32,
-             "storage_dtype": "float8_e4m3fn", "storage_modulation": modulation}
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32, storage_dtype="float8_e4m3fn", storage_modulation=modulation)
     adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
-    cfg = {"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": False,
-                                     "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16"}}
+    cfg = config_of({"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": False,
+                                     "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16"}})
     denoiser, lora = prepare_denoiser(adapter, cfg)
     held = sum(t.numel() * t.element_size() for n, t in denoiser.state_dict().items() if "lora_" not in n)
     est = estimate(cfg, adapter.model_dir, adapter.denoiser_subfolder, adapter.default_lora_targets(), (64, 64), 32,

@@ -2,17 +2,19 @@
 from_single_file once, into the store; pickles and missing configs are refused with the fix."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tasks.config_schema import ModelConfig
 from tasks.config import ConfigError
 from tasks.models import resolve_model
 from tasks.store import Store
 
-MODEL = {"name": "x", "seed": 0, "arch": {}, "dtype": "float32", "max_sequence_length": 32, "config": None}
+MODEL = ModelConfig(name="x", seed=0, arch={}, dtype="float32", max_sequence_length=32, config=None)
 
 
 def _finetuned_single_file(base: Path, out: Path) -> dict:
@@ -27,11 +29,11 @@ def _finetuned_single_file(base: Path, out: Path) -> dict:
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_transformer_single_file_is_converted_once(family, tmp_path, monkeypatch):
     store = Store(tmp_path / "store")
-    base = resolve_model({**MODEL, "family": family, "path": None}, store)
+    base = resolve_model(replace(MODEL, family=family, path=None), store)
     file = tmp_path / "my_finetune.safetensors"
     expected = _finetuned_single_file(base, file)
 
-    folder = resolve_model({**MODEL, "family": family, "path": str(file), "config": str(base)}, store)
+    folder = resolve_model(replace(MODEL, family=family, path=str(file), config=str(base)), store)
     assert folder != base and (folder / "model_index.json").is_file()
     got = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
@@ -44,7 +46,7 @@ def test_transformer_single_file_is_converted_once(family, tmp_path, monkeypatch
 
     for cls in (FluxTransformer2DModel, SD3Transformer2DModel):
         monkeypatch.setattr(cls, "from_single_file", no_second_conversion)
-    assert resolve_model({**MODEL, "family": family, "path": str(file), "config": str(base)}, store) == folder
+    assert resolve_model(replace(MODEL, family=family, path=str(file), config=str(base)), store) == folder
 
 
 def test_single_file_through_the_dag(baseline, tmp_path):
@@ -63,11 +65,11 @@ def test_pickles_and_missing_config_are_refused(tmp_path):
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"not loaded")
     with pytest.raises(ConfigError, match=r"only \.safetensors"):
-        resolve_model({**MODEL, "family": "sd15", "path": str(ckpt)}, Store(tmp_path / "s"))
+        resolve_model(replace(MODEL, family="sd15", path=str(ckpt)), Store(tmp_path / "s"))
     st = tmp_path / "model.safetensors"
     save_file({"x": torch.zeros(1)}, str(st))
     with pytest.raises(ConfigError, match="model.config="):
-        resolve_model({**MODEL, "family": "sd15", "path": str(st)}, Store(tmp_path / "s"))
+        resolve_model(replace(MODEL, family="sd15", path=str(st)), Store(tmp_path / "s"))
 
 
 def _fp8(sd: dict) -> dict:
@@ -85,11 +87,11 @@ def test_an_fp8_single_file_is_kept_as_stored(tmp_path):
     from tasks.training.base_loading import WeightLoading
 
     store = Store(tmp_path / "store")
-    base = resolve_model({**MODEL, "family": "sd3", "path": None}, store)
+    base = resolve_model(replace(MODEL, family="sd3", path=None), store)
     sd = load_file(base / "transformer" / "diffusion_pytorch_model.safetensors")
     file = tmp_path / "sd3-fp8.safetensors"
     save_file(_fp8(to_original("sd3", sd)), str(file))
-    folder = resolve_model({**MODEL, "family": "sd3", "path": str(file), "config": str(base)}, store)
+    folder = resolve_model(replace(MODEL, family="sd3", path=str(file), config=str(base)), store)
     got = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     expected = _fp8(sd)  # the mapping stacks, splits and swaps halves: exact in any dtype
     assert got.keys() == expected.keys()
@@ -108,7 +110,7 @@ def test_an_fp8_single_file_is_kept_as_stored(tmp_path):
 def test_a_scaled_fp8_single_file_is_dequantized(tmp_path):
     """A ComfyUI "scaled fp8" file: `.scale_weight` beside each fp8 matrix; W = fp8 x scale in the model dtype."""
     store = Store(tmp_path / "store")
-    base = resolve_model({**MODEL, "family": "flux", "path": None}, store)
+    base = resolve_model(replace(MODEL, family="flux", path=None), store)
     sd = load_file(base / "transformer" / "diffusion_pytorch_model.safetensors")
     scaled, expected = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
     for k, v in sd.items():
@@ -121,6 +123,6 @@ def test_a_scaled_fp8_single_file_is_dequantized(tmp_path):
             scaled[k] = expected[k] = v
     file = tmp_path / "flux-scaled.safetensors"
     save_file(scaled, str(file))
-    folder = resolve_model({**MODEL, "family": "flux", "path": str(file), "config": str(base)}, store)
+    folder = resolve_model(replace(MODEL, family="flux", path=str(file), config=str(base)), store)
     got = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)  # the same arithmetic

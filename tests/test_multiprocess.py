@@ -45,10 +45,10 @@ def test_two_processes_match_one_at_the_same_global_batch(family, tmp_path):
                         n=fam.loss_terms(one, batch=4), what=f"{family} 2 processes")
     a, b = load_file(one["lora"]), load_file(two["lora"])
     cfg = fam.cfg(*TWO)
-    assert_within_adam_drift(b, a, lr=cfg["train"]["lr"], steps=4, what=f"{family} 2 processes")
+    assert_within_adam_drift(b, a, lr=cfg.train.lr, steps=4, what=f"{family} 2 processes")
     # and training moved the weights (lora_B starts at zero; Adam's first step moves it by lr): the comparison
     # is not between two untouched initialisations
-    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) >= cfg["train"]["lr"]
+    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) >= cfg.train.lr
 
 
 def test_a_failing_process_fails_the_node_with_its_output(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tasks.config_schema import TrainConfig
 from tasks import cache_latents, cache_text, train, validate
 from tasks.training.checkpoints import load_checkpoint, save_checkpoint
 from tasks.config import ConfigError, compose, resolve_paths
@@ -35,7 +36,7 @@ def _steps(opt, params, first, last):
 
 @pytest.mark.parametrize("name,lr", [("prodigy", 1.0), ("adafactor", 1e-2), ("adamw", 1e-2)])
 def test_optimizer_state_round_trips_through_a_checkpoint(tmp_path, name, lr):
-    tc = {"optimizer": name, "lr": lr, "weight_decay": 0.01}
+    tc = TrainConfig(optimizer=name, lr=lr, weight_decay=0.01)
     torch.manual_seed(0)
     a = {"w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.randn(4))}
     opt_a = make_optimizer(tc, list(a.values()))

@@ -96,7 +96,7 @@ def test_nodes_run_as_plain_functions_without_prefect(tmp_path):
     from tasks.config import compose, resolve_paths
 
     cfg = resolve_paths(compose("train", [f"store.root={tmp_path / 'store'}"])[0])
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     assert len(plan.items) == 12 and plan.size == [64, 64]
     first = cache_latents.run(cfg, plan, store)
@@ -106,7 +106,7 @@ def test_nodes_run_as_plain_functions_without_prefect(tmp_path):
     texts = cache_text.run(cfg, plan, store)
     embeds = store.get_tensors("text", texts["items"]["caption:img_00.png"])
     assert set(embeds) == {"prompt_embeds", "pooled_prompt_embeds", "attention_mask"}
-    assert embeds["prompt_embeds"].shape[0] == cfg["model"]["max_sequence_length"]
+    assert embeds["prompt_embeds"].shape[0] == cfg.model.max_sequence_length
 
 
 def test_kohya_prompt_options_reach_the_sampler(workspace):

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tasks.config import compose, resolve_paths
+from tasks.config import compose, resolve_paths, updated
 from tasks.training.memory import stored_bytes, stored_weight_bytes
 from tasks.training.quantized_base import quantize_base, quantize_weight
 from tasks.training.train_setup import prepare_denoiser
@@ -70,7 +70,7 @@ def test_gradients_through_the_quantized_base_equal_an_upcast_copy(family, kind,
     from tasks.training.fp8_base import upcast
 
     adapter, cfg = tiny_family(family, tmp_path)
-    qcfg = {**cfg, "model": {**cfg["model"], "quantize": kind}}
+    qcfg = updated(cfg, {"model.quantize": kind})
     torch.manual_seed(0)
     low, low_lora = prepare_denoiser(adapter, qcfg)
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_gradients_through_the_quantized_base_equal_an_upcast_copy(family, kind,
 
 def test_dora_on_int8_trains_and_is_refused_on_nf4(tmp_path):
     adapter, cfg = tiny_family("flux", tmp_path)
-    dora = {**cfg, "train": {**cfg["train"], "network": "dora"}, "model": {**cfg["model"], "quantize": "int8"}}
+    dora = updated(cfg, {"train.network": "dora", "model.quantize": "int8"})
     torch.manual_seed(0)
     den, lora = prepare_denoiser(adapter, dora)
     latents, text = one_image_inputs(adapter)

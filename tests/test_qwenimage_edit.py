@@ -56,7 +56,7 @@ def _cfg(root, *extra, dirs=("ctrl",)):
 def test_template_and_vision_tokens(pairs):
     store = Store(pairs / "store")
     plan = validate.run(_cfg(pairs), store)
-    adapter = make_adapter(_cfg(pairs)["model"], plan.model_dir)
+    adapter = make_adapter(_cfg(pairs).model, plan.model_dir)
     pipe = adapter.load_text_encoders()
     # the real tokenizer makes the edit template's system turn 64 tokens, which the pipeline drops
     prefix = pipe.prompt_template_encode.split("{}")[0]
@@ -120,7 +120,7 @@ def test_control_changes_the_loss(pairs):
     cfg = _cfg(pairs)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    adapter = make_adapter(cfg.model, plan.model_dir)
     den = adapter.load_denoiser()
     target = store.get_tensors(cache_latents.KIND, lat["items"]["img_00.png"])["latents"][None]
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
@@ -129,7 +129,7 @@ def test_control_changes_the_loss(pairs):
 
     def loss(c):
         gens = [torch.Generator().manual_seed(0)]
-        return adapter.training_loss(den, target, {**text, "control_latents": c}, cfg["train"], scheduler, gens).item()
+        return adapter.training_loss(den, target, {**text, "control_latents": c}, cfg.train, scheduler, gens).item()
 
     with torch.no_grad():
         one, inverted, two = loss(control[None, None]), loss(-control[None, None]), loss(torch.stack([control, -control])[None])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 
+from tasks.config_schema import ModelConfig, TrainConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 from tolerance import assert_close, sums
@@ -18,7 +19,7 @@ TEXTS = ["a red circle on a blue background", "", "a much longer caption about a
 
 
 def test_qwenimage_encode_text_equals_the_pipelines_encode_prompt(tmp_path):
-    model = {"family": "qwenimage", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="qwenimage", path=None, seed=0, arch={})
     adapter = adapter_class("qwenimage")(resolve_model(model, Store(tmp_path / "store")), "float32", SEQ)
     encoders = adapter.load_text_encoders()
     ours = [adapter.encode_text(encoders, [t])[0] for t in TEXTS]  # one at a time, as cache_text does
@@ -39,11 +40,11 @@ def test_qwenimage_encode_text_equals_the_pipelines_encode_prompt(tmp_path):
 
 @pytest.mark.numerics
 def test_padded_batch_trains_as_each_caption_alone(tmp_path):
-    model = {"family": "qwenimage", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="qwenimage", path=None, seed=0, arch={})
     adapter = adapter_class("qwenimage")(resolve_model(model, Store(tmp_path / "store")), "float32", SEQ)
     texts = adapter.encode_text(adapter.load_text_encoders(), TEXTS[:2])
     latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
-    cfg = dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
+    cfg = TrainConfig(weighting_scheme="none", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
     denoiser, scheduler = adapter.load_denoiser(), adapter.load_train_scheduler()
     gens = lambda: [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]  # noqa: E731
     with torch.no_grad():

@@ -253,6 +253,8 @@ def test_no_code_loads_a_pickle():
     hits = []
     for folder in ("tasks", "flows", "scripts", "bench", "deploy"):
         for path in sorted((REPO / folder).rglob("*.py")):
+            if "third_party" in path.relative_to(REPO).parts:  # another project's source (bench/musubi_source.sh)
+                continue
             text = path.read_text()
             hits += [f"{path.relative_to(REPO)}: {m.group(0)}" for rx in _UNSAFE for m in re.finditer(rx, text)]
     assert hits == []

@@ -9,6 +9,7 @@ import fsspec
 import pytest
 import torch
 
+from tasks.config_schema import StoreConfig
 from tasks.store.remote_store import RemoteStore, open_store
 from tasks.store import Store
 
@@ -25,20 +26,20 @@ def url():
 
 
 def test_plain_paths_and_file_urls_are_the_local_store(tmp_path):
-    assert type(open_store({"root": str(tmp_path / "a"), "cache_dir": None})) is Store
-    local = open_store({"root": f"file://{tmp_path / 'b'}", "cache_dir": None})
+    assert type(open_store(StoreConfig(root=str(tmp_path / "a"), cache_dir=None))) is Store
+    local = open_store(StoreConfig(root=f"file://{tmp_path / 'b'}", cache_dir=None))
     assert type(local) is Store and local.root == (tmp_path / "b").resolve()
 
 
 def test_a_second_machine_reads_what_the_first_wrote(url, tmp_path):
-    one = open_store({"root": url, "cache_dir": str(tmp_path / "machine1")})
+    one = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "machine1")))
     assert isinstance(one, RemoteStore)
     t = torch.arange(6, dtype=torch.float32)
     one.put_tensors("latents", "a" * 64, {"latents": t}, meta={"image": "x.png"})
     one.put_json("misc", "b" * 64, {"hello": "world"})
     one.write_record("train", {"inputs": {"n": 1}})
 
-    two = open_store({"root": url, "cache_dir": str(tmp_path / "machine2")})
+    two = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "machine2")))
     assert not (two.entry_dir("latents", "a" * 64)).exists()  # nothing local yet
     assert two.exists("latents", "a" * 64) and two.valid("latents", "a" * 64)  # pulled and verified
     assert torch.equal(two.get_tensors("latents", "a" * 64)["latents"], t)
@@ -50,7 +51,7 @@ def test_a_second_machine_reads_what_the_first_wrote(url, tmp_path):
 
 
 def test_a_tampered_remote_object_is_caught_and_discarded(url, tmp_path):
-    one = open_store({"root": url, "cache_dir": str(tmp_path / "m1")})
+    one = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m1")))
     one.put_tensors("latents", "a" * 64, {"latents": torch.ones(4)})
     fs, base = fsspec.core.url_to_fs(url)
     remote_data = f"{base}/latents/aa/{'a' * 64}/data.safetensors"
@@ -58,7 +59,7 @@ def test_a_tampered_remote_object_is_caught_and_discarded(url, tmp_path):
     raw[-1] ^= 0xFF
     fs.pipe_file(remote_data, bytes(raw))
 
-    two = open_store({"root": url, "cache_dir": str(tmp_path / "m2")})
+    two = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m2")))
     assert two.exists("latents", "a" * 64) and not two.valid("latents", "a" * 64)
     two.discard("latents", "a" * 64)  # what check_items does before recomputing
     assert not two.exists("latents", "a" * 64) and not fs.exists(f"{base}/latents/aa/{'a' * 64}")
@@ -67,7 +68,7 @@ def test_a_tampered_remote_object_is_caught_and_discarded(url, tmp_path):
 def test_an_entry_without_its_remote_manifest_does_not_exist(url, tmp_path):
     fs, base = fsspec.core.url_to_fs(url)
     fs.pipe_file(f"{base}/latents/aa/{'a' * 64}/data.safetensors", b"half an upload")
-    store = open_store({"root": url, "cache_dir": str(tmp_path / "m")})
+    store = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m")))
     assert not store.exists("latents", "a" * 64)
 
 
@@ -103,13 +104,13 @@ def test_plans_and_results_reach_another_machine_by_key(url, tmp_path):
     from the shared store; a tampered remote copy is refused (its content must match its key)."""
     from tasks.store import CorruptArtifact
 
-    one = open_store({"root": url, "cache_dir": str(tmp_path / "m1")})
+    one = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m1")))
     key = one.put_state("plans", {"items": [{"name": "a.png"}]})
-    two = open_store({"root": url, "cache_dir": str(tmp_path / "m2")})
+    two = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m2")))
     assert two.get_state("plans", key) == {"items": [{"name": "a.png"}]}
 
     other = one.put_state("results", {"items": {"a.png": "k"}})
     one.fs.pipe_file(f"{one.base.rstrip('/')}/flowstate/results/{other[:2]}/{other}.json", b'{"items":{}}')
-    three = open_store({"root": url, "cache_dir": str(tmp_path / "m3")})
+    three = open_store(StoreConfig(root=url, cache_dir=str(tmp_path / "m3")))
     with pytest.raises(CorruptArtifact):
         three.get_state("results", other)

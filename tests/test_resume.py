@@ -29,7 +29,7 @@ def save_then_die(store, key, step, *args, **kwargs):
 train._save_checkpoint = save_then_die
 
 cfg = resolve_paths(compose("train", [f"store.root={sys.argv[1]}", *sys.argv[2:]])[0])
-store = Store(cfg["store"]["root"])
+store = Store(cfg.store.root)
 plan = validate.run(cfg, store)
 latents, texts = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
 train.run(cfg, plan, store, latents["items"], texts["items"])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.config import ConfigError
+from tasks.config_schema import ModelConfig
+from tasks.config import ConfigError, config_of
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 from tasks.validate import check_sizes
@@ -20,7 +21,7 @@ def tiny(tmp_path_factory):
     store = Store(tmp_path_factory.mktemp("store"))
 
     def make(family):
-        model = {"family": family, "path": None, "seed": 0, "arch": {}}
+        model = ModelConfig(family=family, path=None, seed=0, arch={})
         return adapter_class(family)(resolve_model(model, store), "float32", SEQ)
     return make
 
@@ -139,10 +140,10 @@ def test_generator_and_tensors_agree_on_device(tiny, family, generator_device, m
 
 
 def test_sample_sizes_must_fit_the_family():
-    cfg = {"model": {"family": "flux"}, "sample": {"width": 100, "height": 64}}
+    cfg = config_of({"model": {"family": "flux"}, "sample": {"width": 100, "height": 64}})
     errors = check_sizes(cfg, 16)
     assert errors == ["sample.width=100: must be a multiple of 16 for model.family=flux; use sample.width=96 or 112"]
-    assert check_sizes({"model": {"family": "sd15"}, "sample": {"width": 104, "height": None}}, 8) == []
+    assert check_sizes(config_of({"model": {"family": "sd15"}, "sample": {"width": 104, "height": None}}), 8) == []
 
 
 def test_unknown_family_is_a_config_error():

@@ -12,13 +12,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
+from tasks.config_schema import TrainConfig
 from tasks.models.sd3 import SD3Adapter  # noqa: E402
 from tasks.models.tiny.sd3 import build_tiny_sd3  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
 from tolerance import assert_close, sums
 
 SEQ = 32
-TRAIN = dict(weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
+TRAIN = TrainConfig(weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline  # noqa
 from diffusers.loaders.single_file_utils import infer_diffusers_model_type  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from tasks.config_schema import ModelConfig
 from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from ldm_convert import to_ldm_sd15, to_ldm_sdxl  # noqa: E402
 
@@ -114,9 +115,9 @@ def test_sdxl_equal_clip_widths_refused(tmp_path):
         to_ldm_sdxl(folder)
 
 
-def _model_cfg(file: Path, config: Path) -> dict:
-    return {"family": "sd15", "path": str(file), "config": str(config), "seed": 0, "arch": {}, "dtype": "float32",
-            "max_sequence_length": 77, "name": "x"}
+def _model_cfg(file: Path, config: Path) -> ModelConfig:
+    return ModelConfig(family="sd15", path=str(file), config=str(config), seed=0, arch={}, dtype="float32",
+                       max_sequence_length=77, name="x")
 
 
 def test_resolve_model_converts_single_file_once(sd15, sd15_file, tmp_path, monkeypatch):

@@ -5,12 +5,14 @@ every parameter and buffer (a torchao tensor's inner tensors included), the LoRA
 Bad files get one-line errors naming the file."""
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 
 import pytest
 import torch
 
-from tasks.config import ConfigError
+from tasks.config_schema import ModelConfig
+from tasks.config import Config, ConfigError, config_of
 from tasks.models import FAMILIES, make_adapter, resolve_model
 from tasks.models.loading.stream_load import folder_entries, load_streamed
 from tasks.store import Store
@@ -21,14 +23,15 @@ KINDS = ["none", "fp8", "int8", "nf4"]
 
 
 def _family(family: str, root, expert=None):
-    model = {"family": family, "path": None, "seed": 0, "arch": {}, "dtype": "bfloat16", "max_sequence_length": 32,
-             "storage_dtype": None, "storage_modulation": False, "quantize": "none", "expert": expert}
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32,
+                        storage_dtype=None, storage_modulation=False, quantize="none", expert=expert)
     return model, resolve_model(model, Store(root))
 
 
-def _cfg(model: dict, kind: str, **train) -> dict:
-    return {"model": {**model, "quantize": kind},
-            "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": False, **train}}
+def _cfg(model: ModelConfig, kind: str, **train) -> Config:
+    return config_of({"model": replace(model, quantize=kind),
+                      "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": False,
+                                **train}})
 
 
 def _tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -78,7 +81,7 @@ def test_streamed_base_equals_the_loaded_then_quantized_one(family, expert, tmp_
     model, folder = _family(family, tmp_path, expert)
     for kind in KINDS:
         cfg = _cfg(model, kind)
-        adapter = make_adapter(cfg["model"], folder)
+        adapter = make_adapter(cfg.model, folder)
         streamed = _prepared(adapter, cfg, True)
         if kind in ("int8", "nf4"):
             assert any(type(p).__module__.startswith("torchao.") for p in streamed.parameters()), kind
@@ -89,7 +92,7 @@ def test_streamed_base_equals_the_loaded_then_quantized_one(family, expert, tmp_
 def test_lycoris_on_a_streamed_nf4_base(network, tmp_path):
     model, folder = _family("flux", tmp_path)
     cfg = _cfg(model, "nf4", network=network)
-    adapter = make_adapter(cfg["model"], folder)
+    adapter = make_adapter(cfg.model, folder)
     _assert_equal(_state(_prepared(adapter, cfg, False)), _state(_prepared(adapter, cfg, True)),
                   network)
 
@@ -97,7 +100,7 @@ def test_lycoris_on_a_streamed_nf4_base(network, tmp_path):
 def test_swapped_blocks_load_straight_to_the_host_and_equal_the_swap_after_loading(tmp_path):
     model, folder = _family("flux", tmp_path)
     cfg = _cfg(model, "int8", blocks_to_swap=2)
-    adapter = make_adapter(cfg["model"], folder)
+    adapter = make_adapter(cfg.model, folder)
     plan = plan_loading(adapter, cfg, ())
     n = len(adapter.load_denoiser().transformer_blocks) + len(adapter.load_denoiser().single_transformer_blocks)
     assert len(plan.swapped["transformer"]) == 2 and plan.swapped["transformer"][-1] == \
@@ -109,7 +112,7 @@ def test_swapped_blocks_load_straight_to_the_host_and_equal_the_swap_after_loadi
 def test_dora_keeps_the_load_then_quantize_path(tmp_path):
     model, folder = _family("flux", tmp_path)
     cfg = _cfg(model, "int8", network="dora")
-    assert plan_loading(make_adapter(cfg["model"], folder), cfg, ()) is None
+    assert plan_loading(make_adapter(cfg.model, folder), cfg, ()) is None
 
 
 def _copy_transformer(folder, tmp_path):

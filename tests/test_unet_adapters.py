@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
+from tasks.config_schema import TrainConfig
 from tasks.models.sd15 import SD15Adapter  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
 from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
@@ -74,7 +75,7 @@ def test_training_loss_is_seeded_and_trains_only_lora(adapter, encoders):
     unet = _lora_unet(adapter)
 
     def loss(seed):
-        return adapter.training_loss(unet, latents, text, {}, scheduler, item_generators(seed, 1, len(latents)))
+        return adapter.training_loss(unet, latents, text, TrainConfig(), scheduler, item_generators(seed, 1, len(latents)))
 
     a, b, c = loss(0), loss(0), loss(1)
     assert torch.equal(a, b) and not torch.equal(a, c) and torch.isfinite(a)
@@ -92,7 +93,7 @@ def test_v_prediction_changes_the_target(adapter, encoders):
     eps = adapter.load_train_scheduler()
     v = DDPMScheduler.from_config(eps.config, prediction_type="v_prediction")
     with torch.no_grad():
-        le, lv = (adapter.training_loss(unet, latents, text, {}, s, item_generators(0, 1, len(latents))) for s in (eps, v))
+        le, lv = (adapter.training_loss(unet, latents, text, TrainConfig(), s, item_generators(0, 1, len(latents))) for s in (eps, v))
     assert torch.isfinite(lv) and not torch.equal(le, lv)
 
 

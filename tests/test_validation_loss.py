@@ -149,9 +149,9 @@ def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
 
     cfg, plan, store, lat, txt = _plan(tmp_path / "s", "data.validation_split=0.25", "train.max_steps=3")
     out = train.run(cfg, plan, store, lat, txt)
-    adapter = make_adapter(cfg["model"], plan.model_dir)
+    adapter = make_adapter(cfg.model, plan.model_dir)
     denoiser, named = prepare_denoiser(adapter, cfg)
-    trajectory = train.trajectory_key(train.inputs(cfg, plan, lat, txt), cfg["train"])
+    trajectory = train.trajectory_key(train.inputs(cfg, plan, lat, txt), cfg.train)
     stored = store.get_tensors(KIND, checkpoint_key(trajectory, 3))
     for name, p in named.items():
         p.data.copy_(stored[f"lora/{name}"])
@@ -160,7 +160,7 @@ def test_the_reported_value_is_a_recomputation_on_the_trained_weights(tmp_path):
     texts = Captions(cfg, dataclasses.replace(plan, items=[it for n in held for it in plan.items if it["name"] == n]),
                             store, adapter, txt)
     value = validation.score(adapter, denoiser, make_accelerator(precision(cfg)), held,
-                             Latents(store, [lat[n] for n in held]), texts, cfg["train"],
+                             Latents(store, [lat[n] for n in held]), texts, cfg.train,
                              adapter.load_train_scheduler())
     assert out["validation_loss"] == [{"step": 3, "loss": value}]  # the same scoring on the same weights
     assert denoiser.training  # put back in train mode

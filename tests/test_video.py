@@ -77,7 +77,7 @@ def test_plan_frames_buckets_and_latent_shapes(clips):
     # the latent is the VAE's of the decoded frames (normalised per channel), not of anything else
     from tasks.models import make_adapter
 
-    adapter = make_adapter(cfg["model"], Path(plan.model_dir))
+    adapter = make_adapter(cfg.model, Path(plan.model_dir))
     # 40x40 frames: covering 32x32 is a plain bicubic resize (PIL's, as the image path), no crop
     frames = [Image.fromarray(f).resize((32, 32), Image.Resampling.BICUBIC)
               for f in read_frames(clips / "data" / "red.mp4", 9, FPS)]

@@ -107,11 +107,11 @@ def test_auto_is_the_fallback_on_the_cpu_and_keys_stay(tmp_path):
     from tasks.training.train_key import _modulation
 
     auto, deq, on = (_cfg(tmp_path, "model.quantize=int8", f"model.matmul={m}") for m in ("auto", "dequantize", "w8a8"))
-    assert w8a8.resolve(auto["model"]) == "dequantize" and w8a8.resolve(on["model"]) == "w8a8"
+    assert w8a8.resolve(auto.model) == "dequantize" and w8a8.resolve(on.model) == "w8a8"
     assert _modulation(auto) == _modulation(deq) == {"fp8_base": "autograd-cast-1", "quantize": "int8"}
     assert _modulation(on)["matmul"] == "w8a8"
-    assert w8a8.resolve(_cfg(tmp_path, "model.quantize=nf4")["model"]) == "dequantize"
-    assert w8a8.resolve(_cfg(tmp_path, "model.storage_dtype=float8_e4m3fn", "model.matmul=w8a8")["model"]) == "w8a8"
+    assert w8a8.resolve(_cfg(tmp_path, "model.quantize=nf4").model) == "dequantize"
+    assert w8a8.resolve(_cfg(tmp_path, "model.storage_dtype=float8_e4m3fn", "model.matmul=w8a8").model) == "w8a8"
 
 
 def test_refusals_name_the_key(tmp_path):
@@ -126,7 +126,7 @@ def test_a_run_trains_through_the_kernels_and_the_report_names_them(tmp_path, qu
     from tasks.store import Store
 
     cfg = _cfg(tmp_path, f"model.quantize={quantize}", "model.dtype=bfloat16", "model.matmul=w8a8")
-    store = Store(cfg["store"]["root"])
+    store = Store(cfg.store.root)
     plan = validate.run(cfg, store)
     lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
     calls = []

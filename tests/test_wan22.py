@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +50,11 @@ def _cfg(root, *extra):
 def test_expert_draws_keep_to_its_side_of_the_boundary(root, expert):
     cfg = _cfg(root, f"model.expert={expert}")
     plan = validate.run(cfg, Store(root / "store"))
-    adapter = make_adapter(cfg["model"], Path(plan.model_dir))
+    adapter = make_adapter(cfg.model, Path(plan.model_dir))
     assert adapter.boundary == 875.0 and adapter.denoiser_subfolder == {"high": "transformer", "low": "transformer_2"}[expert]
     scheduler = adapter.load_train_scheduler()
     latents = torch.zeros(64, 16, 3, 4, 4)
-    tc = {**cfg["train"], "weighting_scheme": "none"}
+    tc = replace(cfg.train, weighting_scheme="none")
     draws = [adapter.draw(latents, tc, scheduler, [torch.Generator().manual_seed(i) for i in range(64)]) for _ in range(2)]
     t = draws[0][2]
     assert bool((t >= 875).all()) if expert == "high" else bool((t < 875).all())
@@ -79,7 +80,7 @@ def test_expert_lora_loads_into_its_transformer_only(root, expert):
         after = getattr(pipe, other).state_dict()
         assert not any("lora_A" in n for n in after) and all(torch.equal(before[n], after[n]) for n in before)
     # the sampler (samples during and after training) puts the LoRA where the file's expert is
-    pipe = make_adapter(cfg["model"], Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
+    pipe = make_adapter(cfg.model, Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
     assert any("lora_A" in n for n in getattr(pipe, mine).state_dict())
     assert not any("lora_A" in n for n in getattr(pipe, other).state_dict())
 

@@ -21,7 +21,7 @@ from tests.test_wan22 import _cfg, root  # noqa: F401 (the fixture: a clip and a
 
 def _adapter(cfg, store):
     plan = validate.run(cfg, store)
-    return make_adapter(cfg["model"], Path(plan.model_dir)), plan
+    return make_adapter(cfg.model, Path(plan.model_dir)), plan
 
 
 def test_low_expert_trains_on_transformer_2(root):
@@ -49,7 +49,7 @@ def test_one_set_of_lora_weights_trained_by_both_experts(root):
     # each item through its expert: t >= boundary (875) the high one, else the low one, in the batch's order
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, 3, 4, 4, generator=g)
-    text = torch.randn(4, cfg["model"]["max_sequence_length"], 32, generator=g)
+    text = torch.randn(4, cfg.model.max_sequence_length, 32, generator=g)
     t = torch.tensor([900.0, 100.0, 950.0, 10.0])
     with torch.no_grad():
         out = denoiser(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
@@ -89,7 +89,7 @@ def test_both_trains_and_loads_into_both_experts(root):
         loaded = [k for k in a if "lora_" in k]
         assert loaded and all(torch.equal(a[k], b[k]) for k in loaded)
     # the sampler puts the LoRA into both experts, the same weights as the file
-    pipe = make_adapter(cfg["model"], Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
+    pipe = make_adapter(cfg.model, Path(plan.model_dir)).load_sampler(Path(lora["lora"]))
     for expert in (pipe.transformer, pipe.transformer_2):
         mine = {re.sub(r"\.default(_\d+)?\.", ".", k): v for k, v in expert.state_dict().items() if "lora_" in k}
         assert all(torch.equal(mine[k.removeprefix("transformer.")], v) for k, v in sd.items())

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 
+from tasks.config_schema import ModelConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
 from tolerance import assert_close, sums
@@ -20,7 +21,7 @@ TEXTS = ["a red circle on a blue background", "", "a much longer caption about a
 
 @pytest.mark.numerics
 def test_zimage_encode_text_equals_the_pipelines_encode_prompt(tmp_path, caplog):
-    model = {"family": "zimage", "path": None, "seed": 0, "arch": {}}
+    model = ModelConfig(family="zimage", path=None, seed=0, arch={})
     adapter = adapter_class("zimage")(resolve_model(model, Store(tmp_path / "store")), "float32", SEQ)
     with caplog.at_level(logging.WARNING, logger="loraflow"):
         encoders = adapter.load_text_encoders()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PIL import Image
-
+from tasks.config_schema import Config, DataConfig
 from tasks.data.images import check_image, cover_crop, load_image
 from tasks.data.masks import file_by_stem
+from tasks.lazy import lazy
+
+Image = lazy("PIL.Image")  # a no-op run opens no control image (tasks/lazy.py)
 
 PREFIX = "control:"  # cache_latents' item key of an item's k-th control: "control:<item name>:<k>"
 
@@ -26,8 +28,8 @@ def item_name(name: str, k: int) -> str:
     return f"{PREFIX}{name}:{k}"
 
 
-def errors(dc: dict, family: str, adapter_cls) -> list[str]:
-    dirs, max_controls = list(dc.get("control_dirs") or []), adapter_cls.controls.most
+def errors(dc: DataConfig, family: str, adapter_cls) -> list[str]:
+    dirs, max_controls = list(dc.control_dirs or []), adapter_cls.controls.most
     if dirs and not max_controls:
         return [f"data.control_dirs: model.family={family} takes no control image; an edit family does "
                 "(tiny_flux_kontext, tiny_qwenimage_edit, the flux2 models): set data.control_dirs=[] or pick one"]
@@ -38,27 +40,27 @@ def errors(dc: dict, family: str, adapter_cls) -> list[str]:
     if not dirs and adapter_cls.controls.required:
         out.append(f"model.family={family} edits an image: set data.control_dirs=[DIR] (control images by the "
                    "targets' stems)")
-    if dc.get("flip_aug") and adapter_cls.controls.seen_by_text:  # a twin's text would need its mirrored controls
+    if dc.flip_aug and adapter_cls.controls.seen_by_text:  # a twin's text would need its mirrored controls
         out.append(f"data.flip_aug with model.family={family}: its prompt embedding sees the control image, which "
                    "a flip would change; set data.flip_aug=false")
     return out
 
 
-def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], list[dict]]:
+def attach(dc: DataConfig, plan_items: list[dict], items: list) -> tuple[list[dict], list[dict]]:
     """Each plan item with `controls`: [[file, sha256], ...] in data.control_dirs' order. `items`: (dataset Item,
     plan name, subset). Returns (the items that train, findings of those left out by data.bad_files=skip); with
     data.bad_files=error a missing or unreadable control image is a ConfigError naming every one."""
     from tasks.config import ConfigError
     from tasks.store.hashing import digest_file
 
-    missing = [d for d in dc["control_dirs"] if not Path(d).is_dir()]
+    missing = [d for d in dc.control_dirs if not Path(d).is_dir()]
     if missing:
         raise ConfigError(f"data.control_dirs: {', '.join(map(str, missing))}: no such folder; point it at the "
                           "control images (one per training image, same stem)")
     kept, bad = [], []
     for entry, (it, name, _) in zip(plan_items, items):
         found, why = [], None
-        for folder in dc["control_dirs"]:
+        for folder in dc.control_dirs:
             f = file_by_stem(folder, it.name)
             if f is None:
                 why = f"no control image {Path(it.name).with_suffix('')}.* in {folder} (data.control_dirs)"
@@ -71,7 +73,7 @@ def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], l
             bad.append((name, why))
         else:
             kept.append({**entry, "controls": found})
-    if bad and dc.get("bad_files", "error") != "skip":
+    if bad and dc.bad_files != "skip":
         lines = "\n".join(f"  - {n}: {why}" for n, why in bad)
         raise ConfigError(f"edit pairs: {len(bad)} image(s) without a usable control image:\n{lines}\n  add or fix "
                           "them, or set data.bad_files=skip to leave these images out")
@@ -96,16 +98,16 @@ def prompt_images(p, prompts_file) -> dict:
     return {"images": out} if out else {}
 
 
-def prompt_errors(prompts: list[dict], cfg: dict, size, adapter_cls) -> list[str]:
+def prompt_errors(prompts: list[dict], cfg: Config, size, adapter_cls) -> list[str]:
     """What is wrong with the sample prompts' --i images for this family (none, too many, too small)."""
-    out, family, sc = [], cfg["model"]["family"], cfg["sample"]
+    out, family, sc = [], cfg.model.family, cfg.sample
     takes = adapter_cls.controls
     if takes.required:
-        out += [f"sample.prompts_file={sc['prompts_file']}:{p['line']}: model.family={family} edits an image: give "
+        out += [f"sample.prompts_file={sc.prompts_file}:{p['line']}: model.family={family} edits an image: give "
                 "it one with --i PATH" for p in prompts if not p.get("images")]
     for p in (p for p in prompts if p.get("images")):
-        where = f"sample.prompts_file={sc['prompts_file']}:{p['line']}: --i"
-        w, h = p["width"] or sc["width"] or size[0], p["height"] or sc["height"] or size[1]
+        where = f"sample.prompts_file={sc.prompts_file}:{p['line']}: --i"
+        w, h = p["width"] or sc.width or size[0], p["height"] or sc.height or size[1]
         if not takes.most:
             out.append(f"{where} gives a control image, which model.family={family} does not take; remove --i or "
                        "train an edit family")

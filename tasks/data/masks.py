@@ -12,20 +12,19 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageOps
-
+from tasks.config_schema import DataConfig
 from tasks.data.dataset import IMAGE_EXTS
 from tasks.data.images import ImageLoadError, cover_crop
 from tasks.lazy import lazy
 
 torch = lazy("torch")
+np, Image, ImageOps = lazy("numpy"), lazy("PIL.Image"), lazy("PIL.ImageOps")  # a no-op run reads no mask
 
 PREFIX = "mask:"  # cache_latents' item key of an item's mask: "mask:<item name>" (the latent's is "<item name>")
 
 
-def enabled(dc: dict) -> bool:
-    return bool(dc.get("mask_dir")) or bool(dc.get("alpha_mask"))
+def enabled(dc: DataConfig) -> bool:
+    return bool(dc.mask_dir) or bool(dc.alpha_mask)
 
 
 def file_by_stem(folder, image_name: str) -> Path | None:
@@ -86,7 +85,7 @@ def on_latent_grid(masks: torch.Tensor, latent_hw) -> torch.Tensor:
     return torch.nn.functional.interpolate(masks.float() / 255.0, size=tuple(latent_hw), mode="area")
 
 
-def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], list[dict]]:
+def attach(dc: DataConfig, plan_items: list[dict], items: list) -> tuple[list[dict], list[dict]]:
     """Each plan item with its mask (`mask`: the file, `mask_kind`: file | alpha, `mask_digest`: the bytes'
     digest). `items`: (dataset Item, plan name, subset) in plan order. Returns (the plan items that train,
     findings for those left out by data.bad_files=skip); with data.bad_files=error a missing or unusable mask
@@ -94,18 +93,18 @@ def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], l
     from tasks.config import ConfigError
     from tasks.store.hashing import digest_file
 
-    if dc.get("mask_dir") and dc.get("alpha_mask"):
+    if dc.mask_dir and dc.alpha_mask:
         raise ConfigError("data.mask_dir and data.alpha_mask=true: one mask per image; drop one of the two")
-    if dc.get("mask_dir") and not Path(dc["mask_dir"]).is_dir():
-        raise ConfigError(f"data.mask_dir={dc['mask_dir']}: no such folder; point it at the masks (one grayscale "
+    if dc.mask_dir and not Path(dc.mask_dir).is_dir():
+        raise ConfigError(f"data.mask_dir={dc.mask_dir}: no such folder; point it at the masks (one grayscale "
                           "image per training image, same stem: white trains)")
     kept, bad = [], []
     for entry, (it, name, _) in zip(plan_items, items):
-        if dc.get("mask_dir"):
-            found = file_by_stem(dc["mask_dir"], it.name)
+        if dc.mask_dir:
+            found = file_by_stem(dc.mask_dir, it.name)
             if found is None:
                 bad.append((name, f"no mask {Path(it.name).with_suffix('')}.<{'|'.join(e[1:] for e in IMAGE_EXTS)}> "
-                                  f"in data.mask_dir={dc['mask_dir']}"))
+                                  f"in data.mask_dir={dc.mask_dir}"))
                 continue
             source, kind, digest = str(found), "file", None
         else:
@@ -115,7 +114,7 @@ def attach(dc: dict, plan_items: list[dict], items: list) -> tuple[list[dict], l
             bad.append((name, why))
             continue
         kept.append({**entry, "mask": source, "mask_kind": kind, "mask_digest": digest or digest_file(source)})
-    if bad and dc.get("bad_files", "error") != "skip":
+    if bad and dc.bad_files != "skip":
         lines = "\n".join(f"  - {n}: {why}" for n, why in bad)
         raise ConfigError(f"masked loss: {len(bad)} image(s) without a usable mask:\n{lines}\n  fix the masks, or "
                           "set data.bad_files=skip to leave these images out")

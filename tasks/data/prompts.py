@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.config_schema import Config
 from tasks.plan import Plan
 
 
@@ -162,16 +163,16 @@ def read_prompts(path) -> tuple[list[SamplePrompt], list[str]]:
     return prompts, warnings
 
 
-def sample_settings(cfg: dict, plan: Plan, prompt: dict) -> dict:
+def sample_settings(cfg: Config, plan: Plan, prompt: dict) -> dict:
     """A prompt's own kohya options win over the sample.* defaults."""
-    sc = cfg["sample"]
+    sc = cfg.sample
     # a video family's plan names its sample length and rate (tasks/data/video.py); image families' keys stay
     video = {"frames": prompt.get("frames") or plan.video["frames"], "fps": plan.video["fps"]} \
         if plan.video else {}
-    return {**video, "width": prompt["width"] or sc["width"] or plan.size[0],
-            "height": prompt["height"] or sc["height"] or plan.size[1],
-            "steps": prompt["steps"] or sc["steps"],
-            "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc["cfg"],
-            "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc["true_cfg"],
-            "seed": prompt["seed"] if prompt["seed"] is not None else sc["seed"],
-            "generator_device": sc["generator_device"]}
+    return {**video, "width": prompt["width"] or sc.width or plan.size[0],
+            "height": prompt["height"] or sc.height or plan.size[1],
+            "steps": prompt["steps"] or sc.steps,
+            "guidance": prompt["guidance"] if prompt["guidance"] is not None else sc.cfg,
+            "true_cfg": prompt["true_cfg"] if prompt["true_cfg"] is not None else sc.true_cfg,
+            "seed": prompt["seed"] if prompt["seed"] is not None else sc.seed,
+            "generator_device": sc.generator_device}

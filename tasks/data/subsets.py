@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.config_schema import DataConfig
 from tasks.data.dataset import MEDIA_EXTS, DatasetCheck, DatasetError, Finding, is_dir, dataset_root, check_dataset
 
 # kohya's DreamBooth folder name: `<repeats>_<name>`; at most 6 digits (int() of thousands of digits fails)
@@ -32,26 +33,26 @@ class Subset:
         return {"folder": str(self.dir), "images": images, "repeats": self.repeats, "is_reg": self.is_reg}
 
 
-def subset_errors(dc: dict) -> list[str]:
+def subset_errors(dc: DataConfig) -> list[str]:
     """Config errors of data.subsets (no file read)."""
     errors = []
-    for i, s in enumerate(dc.get("subsets") or []):
-        if s["repeats"] < 1:
-            errors.append(f"data.subsets[{i}].repeats={s['repeats']}: must be at least 1 (an image's draws per epoch)")
-        ext = s["caption_extension"]
+    for i, s in enumerate(dc.subsets or []):
+        if s.repeats < 1:
+            errors.append(f"data.subsets[{i}].repeats={s.repeats}: must be at least 1 (an image's draws per epoch)")
+        ext = s.caption_extension
         if ext is not None and (not ext.startswith(".") or len(ext) < 2):
             errors.append(f"data.subsets[{i}].caption_extension={ext!r}: must start with a dot, e.g. '.txt'")
     return errors
 
 
-def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
+def resolve(dc: DataConfig) -> tuple[list[Subset], list[str]]:
     """The subsets to read and warnings (a mixed kohya layout). Raises DatasetError for a missing data.dir."""
-    ext = dc["caption_extension"]
-    if dc.get("subsets"):
-        labels = _labels([Path(s["dir"]) for s in dc["subsets"]])
-        return [Subset(Path(s["dir"]), label, s["repeats"], s["caption_extension"] or ext, s["is_reg"])
-                for s, label in zip(dc["subsets"], labels)], []
-    root = dataset_root(dc["dir"])
+    ext = dc.caption_extension
+    if dc.subsets:
+        labels = _labels([Path(s.dir) for s in dc.subsets])
+        return [Subset(Path(s.dir), label, s.repeats, s.caption_extension or ext, s.is_reg)
+                for s, label in zip(dc.subsets, labels)], []
+    root = dataset_root(dc.dir)
     folders, outside, linked = _kohya_layout(root)
     if folders and not outside:  # linked folders are never followed; a plain folder's scan lists them, say it here
         return [Subset(path, path.name, repeats, ext) for path, repeats in folders], [
@@ -65,13 +66,13 @@ def resolve(dc: dict) -> tuple[list[Subset], list[str]]:
     return [Subset(root, "", 1, ext)], warnings
 
 
-def check(dc: dict, subsets: list[Subset], memo_of=None, clips: bool = False) -> list[tuple[Subset, DatasetCheck]]:
+def check(dc: DataConfig, subsets: list[Subset], memo_of=None, clips: bool = False) -> list[tuple[Subset, DatasetCheck]]:
     """check_dataset of every subset, findings named like their items; every subset's problems in one error.
     `memo_of(folder)`: that folder's ImageMemo (tasks/data/image_memo.py), or None to decode every image."""
     checked, messages, problems = [], [], []
     for s in subsets:
         try:
-            result = check_dataset(s.dir, dc["missing_caption"], s.caption_extension, dc["bad_files"],
+            result = check_dataset(s.dir, dc.missing_caption, s.caption_extension, dc.bad_files,
                                    memo_of and memo_of(s.dir), clips)
         except DatasetError as e:
             messages.append(str(e) if len(subsets) == 1 else f"subset {s.label or s.dir}: {e}")

@@ -8,14 +8,15 @@ from one shape), as musubi-tuner's and diffusion-pipe's frame buckets. A still i
 one-frame video."""
 from __future__ import annotations
 
+from tasks.config_schema import Config, DataConfig
 from tasks.data.clips import ClipInfo, vae_frames
 
 
-def errors(cfg: dict, adapter_cls) -> list[str]:
+def errors(cfg: Config, adapter_cls) -> list[str]:
     """Config errors of data.frames / data.fps, the smallest side a video family renders, and what a video
     family does not train yet."""
-    dc, family, clips = cfg["data"], cfg["model"]["family"], adapter_cls.clips
-    frames, fps, out = dc.get("frames", 17), dc.get("fps"), []
+    dc, family, clips = cfg.data, cfg.model.family, adapter_cls.clips
+    frames, fps, out = dc.frames, dc.fps, []
     if not isinstance(frames, int) or frames < 1:
         out.append(f"data.frames={frames!r}: frames per clip sample, 1 or more (e.g. 17)")
     elif clips and frames != vae_frames(frames, clips.frame_step):
@@ -26,22 +27,22 @@ def errors(cfg: dict, adapter_cls) -> list[str]:
         out.append(f"data.fps={fps!r}: the rate clips are resampled to, in frames per second (e.g. 16), or null "
                    "for each clip's own rate")
     if clips:
-        for key, on in (("mask_dir", dc.get("mask_dir")), ("alpha_mask", dc.get("alpha_mask")),
-                        ("control_dirs", dc.get("control_dirs"))):
+        for key, on in (("mask_dir", dc.mask_dir), ("alpha_mask", dc.alpha_mask),
+                        ("control_dirs", dc.control_dirs)):
             if on:
                 out.append(f"data.{key}: not available for video families yet ({family}); drop it to train clips")
         side = clips.min_side
-        if side and dc.get("resolution_type") == "pixels" and dc.get("resolution", side) < side:
-            out.append(f"data.resolution={dc['resolution']:g}: {family} renders sides of {side} px or more (its "
+        if side and dc.resolution_type == "pixels" and dc.resolution < side:
+            out.append(f"data.resolution={dc.resolution:g}: {family} renders sides of {side} px or more (its "
                        f"VAE decoder); use data.resolution={side} or more")
-        network = cfg["train"]["network"]
+        network = cfg.train.network
         if network in ("loha", "lokr"):  # their LyCORIS file names diffusers' modules: no video loader reads those
             out.append(f"train.network={network}: not available for video families yet ({family}): no loader of "
                        "video LoRAs reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
     return out
 
 
-def attach(dc: dict, plan_items: list[dict], items: list, clips) -> None:
+def attach(dc: DataConfig, plan_items: list[dict], items: list, clips) -> None:
     """Each clip's plan entry gains `clip`: {frames, fps} (what its latent is encoded from, in its key);
     `items` are the dataset items beside their entries (tasks.data.dataset.Item, with .clip and .size); `clips`:
     the family's tasks.models.bases.adapter.Clips (a dataset holds clips only for a video family)."""
@@ -49,8 +50,8 @@ def attach(dc: dict, plan_items: list[dict], items: list, clips) -> None:
         if item.clip is not None:
             frames, rate, span = item.clip
             info = ClipInfo(int(frames), float(rate), *item.size, float(span))
-            fps = float(dc["fps"]) if dc.get("fps") else float(rate)
-            entry["clip"] = {"frames": info.train_frames(dc["frames"], dc.get("fps"), clips.frame_step), "fps": fps}
+            fps = float(dc.fps) if dc.fps else float(rate)
+            entry["clip"] = {"frames": info.train_frames(dc.frames, dc.fps, clips.frame_step), "fps": fps}
 
 
 def frames_of(entry: dict) -> int:
@@ -64,6 +65,6 @@ def bucket_name(entry: dict, size) -> str:
     return f"{w}x{h}" + (f", {entry['clip']['frames']} frames" if "clip" in entry else "")
 
 
-def sample_defaults(dc: dict, default_fps: float) -> dict:
+def sample_defaults(dc: DataConfig, default_fps: float) -> dict:
     """A video family's sample length and rate: data.frames at data.fps (else the family's native rate)."""
-    return {"frames": dc.get("frames", 17), "fps": float(dc.get("fps") or default_fps)}
+    return {"frames": dc.frames, "fps": float(dc.fps or default_fps)}

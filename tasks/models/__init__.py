@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 
 from tasks.config import ConfigError
+from tasks.config_schema import ModelConfig
 from tasks.store.hashing import digest_tree, key_of
 from tasks.models.bases.adapter import FamilyAdapter
 from tasks.store import Store
@@ -49,8 +50,8 @@ def adapter_class(family: str) -> type[FamilyAdapter]:
     return _load(FAMILIES[family][0])
 
 
-def make_adapter(model_cfg: dict, model_dir: Path) -> FamilyAdapter:
-    adapter = adapter_class(model_cfg["family"])(model_dir, model_cfg["dtype"], model_cfg["max_sequence_length"])
+def make_adapter(model_cfg: ModelConfig, model_dir: Path) -> FamilyAdapter:
+    adapter = adapter_class(model_cfg.family)(model_dir, model_cfg.dtype, model_cfg.max_sequence_length)
     adapter.configure(model_cfg)
     return adapter
 
@@ -59,13 +60,13 @@ def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
     _load(FAMILIES[family][1])(out_dir, seed=seed, arch=arch or None)
 
 
-def resolve_model(model_cfg: dict, store: Store) -> Path:
+def resolve_model(model_cfg: ModelConfig, store: Store) -> Path:
     """The folder of the model in diffusers layout: a local folder, a hub snapshot, a single-file checkpoint
     converted once with diffusers' from_single_file, or the tiny model built from config (once). Built and
     converted folders are store entries like any other artifact."""
-    path = model_cfg.get("path")
+    path = model_cfg.path
     if not path:
-        family, seed, arch = model_cfg["family"], int(model_cfg["seed"]), dict(model_cfg.get("arch") or {})
+        family, seed, arch = model_cfg.family, int(model_cfg.seed), dict(model_cfg.arch or {})
         key = key_of({"tiny": family, "seed": seed, "arch": arch, "builder": TINY_BUILDER_VERSION})
         if not store.valid("models", key):
             store.put("models", key, "", lambda p: _build_tiny(family, p, seed, arch), meta={"tiny": family})
@@ -92,19 +93,19 @@ def _diffusers_folder(path: str, key: str) -> Path:
                                 f"(offline or unknown id): {e}") from e
 
 
-def _from_single_file(model_cfg: dict, file: Path, store: Store) -> Path:
+def _from_single_file(model_cfg: ModelConfig, file: Path, store: Store) -> Path:
     """A .safetensors checkpoint (original or diffusers key layout) -> a diffusers folder in the store, keyed
     by the file's digest and the identity of the config it is read with; converted once."""
     if file.suffix != ".safetensors":
         # .ckpt/.pt/.bin are pickles: loading one can run arbitrary code.
         raise ConfigError(f"model.path={file}: only .safetensors single files are loaded (pickle formats can "
                           "run code); convert it first, e.g. with safetensors' convert script")
-    if not model_cfg.get("config"):
+    if not model_cfg.config:
         raise ConfigError(f"model.path={file} is a single file: set model.config= a diffusers folder or hub id of "
                           "the same architecture (it supplies the configs, tokenizers and any component the file "
                           "lacks), e.g. model.config=black-forest-labs/FLUX.1-dev")
-    config_dir = _diffusers_folder(model_cfg["config"], "model.config")
-    family, dtype = model_cfg["family"], model_cfg["dtype"]
+    config_dir = _diffusers_folder(model_cfg.config, "model.config")
+    family, dtype = model_cfg.family, model_cfg.dtype
     from tasks.models.loading.fp8_single_file import holds_fp8
 
     # an fp8 transformer file is kept as stored (fp8_single_file.py): another folder than the cast one

@@ -118,7 +118,7 @@ class FluxAdapter(TransformerAdapter):
         txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype, device=latents.device)
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=latents.dtype, device=latents.device)
+            guidance = torch.full((b,), float(train_cfg.guidance), dtype=latents.dtype, device=latents.device)
         pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                            pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype),
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]

@@ -39,7 +39,7 @@ class FluxKontextAdapter(FluxAdapter):
         txt_ids = torch.zeros(embeds.shape[1], 3, dtype=latents.dtype, device=latents.device)
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=latents.dtype, device=latents.device)
+            guidance = torch.full((b,), float(train_cfg.guidance), dtype=latents.dtype, device=latents.device)
         pred = transformer(hidden_states=torch.cat([packed, packed_cond], dim=1), timestep=timesteps / 1000,
                            guidance=guidance, pooled_projections=text["pooled_prompt_embeds"].to(latents.dtype),
                            encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=torch.cat([img_ids, cond_ids]),

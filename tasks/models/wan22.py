@@ -41,7 +41,7 @@ class Wan22Adapter(WanAdapter):
     train_version = "2"  # 2: the low expert trains on transformer_2's weights (1 loaded transformer's)
 
     def configure(self, model_cfg):
-        expert = model_cfg.get("expert") or self.expert
+        expert = model_cfg.expert or self.expert
         if expert not in EXPERTS:
             raise ConfigError(f"model.expert={expert!r}: Wan 2.2 trains its high-noise expert, its low-noise "
                               "expert or one LoRA on both: model.expert=high, low or both")

@@ -27,16 +27,17 @@ def default_cache_dir(url: str) -> Path:
     return base / "loraflow" / "stores" / key_of({"url": url})[:16]
 
 
-def open_store(store_cfg: dict) -> Store:
-    """The store a config names: ``{"root": path or URL, "cache_dir": local working copy or None, "rehash"}``."""
-    root = str(store_cfg["root"])
+def open_store(store_cfg) -> Store:
+    """The store the config's store group names (tasks/config_schema.py StoreConfig: root, a path or URL;
+    cache_dir, the local working copy or None; rehash). The store imports nothing of the config's."""
+    root = str(store_cfg.root)
     if root.startswith("file://"):
         store = Store(root[len("file://"):])
     elif not is_url(root):
         store = Store(root)
     else:
-        store = RemoteStore(root, store_cfg.get("cache_dir") or default_cache_dir(root))
-    store.rehash = bool(store_cfg.get("rehash", False))
+        store = RemoteStore(root, store_cfg.cache_dir or default_cache_dir(root))
+    store.rehash = bool(store_cfg.rehash)
     return store
 
 

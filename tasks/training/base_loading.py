@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tasks.config import stored_as
+from tasks.config import Config, stored_as
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -63,15 +63,15 @@ class WeightLoading:
         return n
 
 
-def plan_loading(adapter, cfg: dict, skip: tuple[str, ...]) -> WeightLoading | None:
+def plan_loading(adapter, cfg: Config, skip: tuple[str, ...]) -> WeightLoading | None:
     """The train node's loading plan for this config (see the module doc); None: from_pretrained whole in the
     compute dtype on the host, stored low afterwards (the path named "bf16-then-quantize")."""
-    stored = stored_as(cfg["model"])
+    stored = stored_as(cfg.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if stored and cfg["train"].get("network", "lora") == "dora":
+    if stored and cfg.train.network == "dora":
         return None
     plan = WeightLoading(stored or None, skip, device)
-    n = cfg["train"].get("blocks_to_swap") or 0
+    n = cfg.train.blocks_to_swap or 0
     if n and adapter.denoisers == 1:  # Wan 2.2's two experts: placed whole, swap_blocks moves theirs after
         from tasks.models.loading.stream_load import folder_entries
         from tasks.training.memory import block_order

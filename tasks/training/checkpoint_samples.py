@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from tasks import cache_text, sample
+from tasks.config import Config
 from tasks.data.prompts import read_prompts
 from tasks.plan import Plan
 from tasks.store import Store
@@ -113,7 +114,7 @@ def add_video(writer, tag: str, path, step: int) -> None:
 
 
 class CheckpointSampler:
-    def __init__(self, cfg: dict, plan: Plan, store: Store, adapter, samples_dir: Path | None = None,
+    def __init__(self, cfg: Config, plan: Plan, store: Store, adapter, samples_dir: Path | None = None,
                  on_rendered: list[Callable[[int, list[str]], None]] | None = None, live_text: Callable | None = None):
         """`samples_dir`: the run's samples folder, filled as each point is rendered; `on_rendered`:
         called with (step, published paths) after that (failures are warnings); `live_text`: text -> its
@@ -121,8 +122,8 @@ class CheckpointSampler:
         self.live_text = live_text
         self.cfg, self.plan, self.store, self.adapter = cfg, plan, store, adapter
         self.samples_dir, self.on_rendered = samples_dir, list(on_rendered or [])
-        self.every = int(cfg["sample"]["every_n_steps"])
-        self.prompts_file = cfg["sample"]["prompts_file"]
+        self.every = int(cfg.sample.every_n_steps)
+        self.prompts_file = cfg.sample.prompts_file
         self.rendered: dict[str, list[dict]] = {}  # step -> [{"line", "prompt", "path"}]
         self.warnings: list[str] = []
 

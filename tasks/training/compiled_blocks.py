@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import shutil
 
+from tasks.config_schema import TrainConfig
 from tasks.lazy import lazy
 
 torch = lazy("torch")
 
 
-def compile_errors(tc: dict, cuda: bool) -> list[str]:
+def compile_errors(tc: TrainConfig, cuda: bool) -> list[str]:
     """validate's check: what torch.compile needs on this machine (inductor's C++ compiler on the CPU, Triton on
     CUDA), refused in one line before anything runs."""
-    if not tc.get("compile"):
+    if not tc.compile:
         return []
     if cuda:
         import importlib.util

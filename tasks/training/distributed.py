@@ -22,6 +22,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from tasks.config import Config, as_plain, from_plain
+from tasks.config_schema import TrainConfig
 from tasks.plan import Plan
 
 
@@ -36,15 +38,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(job_file: Path, tc: dict, mixed_precision: str) -> list[str]:
+def launch_command(job_file: Path, tc: TrainConfig, mixed_precision: str) -> list[str]:
     """`accelerate launch` for this machine: one machine (a free local port), or machine `train.machine_rank`
     of `train.num_machines`, all meeting machine 0 at train.main_process_ip:port."""
-    one = tc.get("num_machines", 1) == 1
+    one = tc.num_machines == 1
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-            "--num_machines", str(tc.get("num_machines", 1)), "--machine_rank", str(tc.get("machine_rank", 0)),
-            "--num_processes", str(tc["num_processes"]), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
-            "--main_process_ip", (tc.get("main_process_ip") or "127.0.0.1") if not one else "127.0.0.1",
-            "--main_process_port", str(tc.get("main_process_port") or _free_port()) if not one else str(_free_port()),
+            "--num_machines", str(tc.num_machines), "--machine_rank", str(tc.machine_rank),
+            "--num_processes", str(tc.num_processes), "--mixed_precision", mixed_precision, "--dynamo_backend", "no",
+            "--main_process_ip", (tc.main_process_ip or "127.0.0.1") if not one else "127.0.0.1",
+            "--main_process_port", str(tc.main_process_port or _free_port()) if not one else str(_free_port()),
             "-m", "tasks.train", str(job_file)]
 
 
@@ -60,20 +62,20 @@ def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: flo
         time.sleep(poll)
 
 
-def launch_training(cfg: dict, plan: Plan, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
+def launch_training(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
                     run_dir: Path | None) -> dict | None:
     """Train under `accelerate launch` with cfg.train.num_processes processes (over train.num_machines);
     returns what train.train_lora returns on the main process, None on a machine other than 0."""
-    n = int(cfg["train"]["num_processes"])
-    job = {"cfg": cfg, "plan": plan.stored(), "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
+    n = int(cfg.train.num_processes)
+    job = {"cfg": as_plain(cfg), "plan": plan.stored(), "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
            "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
     from tasks.training.train_setup import precision
 
-    tc = cfg["train"]
+    tc = cfg.train
     cmd = launch_command(job_file, tc, precision(cfg))
-    machines = f", machine {tc['machine_rank']} of {tc['num_machines']}" if tc.get("num_machines", 1) > 1 else ""
+    machines = f", machine {tc.machine_rank} of {tc.num_machines}" if tc.num_machines > 1 else ""
     log.info("train: %d processes under accelerate launch%s", n, machines)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     tail: deque[str] = deque(maxlen=40)
@@ -96,7 +98,7 @@ def launch_training(cfg: dict, plan: Plan, latent_keys: dict, text_keys: dict, o
         cause = errors[-1] if errors else "see the lines below"  # the last: the outermost of a chain
         raise RuntimeError(f"train.num_processes={n}: the training processes failed (exit {code}): {cause}\n"
                            "their last lines:\n" + "\n".join(tail))
-    if not (out_dir / RESULT).is_file() and tc.get("machine_rank", 0) > 0:
+    if not (out_dir / RESULT).is_file() and tc.machine_rank > 0:
         return None  # machine 0's main process writes the LoRA
     result = json.loads((out_dir / RESULT).read_text())
     result["lora"] = Path(result["lora"])
@@ -110,9 +112,10 @@ def run_worker(job_file: str, train_lora: Callable[..., dict | None]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     job = json.loads(Path(job_file).read_text())
-    store = open_store(job["cfg"]["store"])
+    cfg = from_plain(job["cfg"])
+    store = open_store(cfg.store)
     out_dir = Path(job["out_dir"])
-    out = train_lora(job["cfg"], Plan.from_stored(job["plan"]), store, job["latent_keys"], job["text_keys"], out_dir,
+    out = train_lora(cfg, Plan.from_stored(job["plan"]), store, job["latent_keys"], job["text_keys"], out_dir,
                            job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
     if out is not None:  # the main process
         tmp = out_dir / f".{RESULT}.tmp"

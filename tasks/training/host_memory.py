@@ -9,9 +9,10 @@ A run that does not fit the host is refused by validate before anything is loade
 would fit: fewer swapped blocks on a more quantized base, or the activations kept on the device."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
-from tasks.config import ConfigError, stored_as
+from tasks.config import Config, ConfigError, stored_as
 
 GB = 1024 ** 3
 # The process before loading: Python, torch, diffusers, peft, CUDA's host-side runtime. bench/load.json measured
@@ -19,12 +20,12 @@ GB = 1024 ** 3
 PROCESS_GB = 1.5
 
 
-def loading_gb(cfg: dict, shapes: dict[str, list[int]], file_bytes: dict[str, int]) -> float:
+def loading_gb(cfg: Config, shapes: dict[str, list[int]], file_bytes: dict[str, int]) -> float:
     """Host bytes loading holds at its peak (see the module doc): streamed, the largest tensor as read plus its
     copy in the compute dtype (fp32 where an fp8 file's scale is applied); else the whole base in that dtype."""
-    compute = 4 if cfg["model"]["dtype"] == "float32" else 2
+    compute = 4 if cfg.model.dtype == "float32" else 2
     numels = {k: _numel(s) for k, s in shapes.items()}
-    if stored_as(cfg["model"]) and cfg["train"].get("network", "lora") == "dora":
+    if stored_as(cfg.model) and cfg.train.network == "dora":
         return sum(numels.values()) * compute / GB
     largest = max(numels, key=numels.get, default=None)
     if largest is None:
@@ -32,12 +33,12 @@ def loading_gb(cfg: dict, shapes: dict[str, list[int]], file_bytes: dict[str, in
     return (file_bytes.get(largest, 0) + numels[largest] * 4) / GB
 
 
-def host_need(cfg: dict, estimate: dict, loading: float) -> dict:
+def host_need(cfg: Config, estimate: dict, loading: float) -> dict:
     need = PROCESS_GB + estimate["host_gb"] + loading
     return {"host_need_gb": need, "host_loading_gb": loading}
 
 
-def check(cfg: dict, estimate: dict, loading: float, available_gb: float, source: str, estimate_for,
+def check(cfg: Config, estimate: dict, loading: float, available_gb: float, source: str, estimate_for,
           max_swap: int) -> dict:
     """host_need for this run; raises ConfigError (one line) when it exceeds `available_gb`, naming what fits."""
     need = host_need(cfg, estimate, loading)
@@ -51,13 +52,13 @@ def check(cfg: dict, estimate: dict, loading: float, available_gb: float, source
                                                   "use a smaller data.resolution or a machine with more RAM"))
 
 
-def _fitting(cfg: dict, host_gb: float, device_gb: float | None, estimate_for, loading: float,
+def _fitting(cfg: Config, host_gb: float, device_gb: float | None, estimate_for, loading: float,
              max_swap: int) -> str | None:
     """The first setting that fits both the device and the host: the least quantized base first (a more quantized
     one shrinks the swapped blocks), then the fewest blocks swapped, without the activation offload first."""
-    swap = cfg["train"].get("blocks_to_swap") or 0
-    offload = bool(cfg["train"].get("gradient_checkpointing_offload"))
-    current = stored_as(cfg["model"]) or "none"
+    swap = cfg.train.blocks_to_swap or 0
+    offload = bool(cfg.train.gradient_checkpointing_offload)
+    current = stored_as(cfg.model) or "none"
     kinds = [k for k in ("none", "fp8", "int8", "nf4") if _rank(k) >= _rank(current)]
     for kind in kinds:
         for off in ([False, True] if offload else [False]):
@@ -78,12 +79,12 @@ def _fitting(cfg: dict, host_gb: float, device_gb: float | None, estimate_for, l
     return None
 
 
-def _with(cfg: dict, changes: list[tuple]) -> dict:
-    new = {**cfg, "train": dict(cfg["train"]), "model": dict(cfg["model"])}
+def _with(cfg: Config, changes: list[tuple]) -> dict:
+    new = copy.deepcopy(cfg)
     for _, (section, key), value in changes:
-        new[section][key] = value
-    if new["model"].get("quantize", "none") != "none":
-        new["model"]["storage_dtype"] = None  # one way to store the base (validate refuses both)
+        setattr(getattr(new, section), key, value)
+    if new.model.quantize != "none":
+        new.model.storage_dtype = None  # one way to store the base (validate refuses both)
     return new
 
 
@@ -98,7 +99,7 @@ def _numel(shape) -> int:
     return out
 
 
-def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: bool | None = None,
+def preflight(cfg: Config, adapter, size: tuple[int, int], estimate: dict, cuda: bool | None = None,
               available: tuple[float, str] | None = None) -> dict:
     """validate's host check (module doc): reads the denoiser files' headers (a missing or truncated file is a
     one-line ConfigError here, before anything is cached or loaded); with a GPU, refuses a run the RAM cannot
@@ -113,7 +114,7 @@ def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: b
     shapes = {k: list(e.shape) for k, e in entries.items()}
     loading = loading_gb(cfg, shapes, {k: e.end - e.start for k, e in entries.items()})
     matrices = [e for k, e in entries.items() if k.endswith(".weight") and len(e.shape) == 2]
-    if not stored_as(cfg["model"]) and sum(e.dtype.startswith("F8") for e in matrices) * 2 >= max(1, len(matrices)):
+    if not stored_as(cfg.model) and sum(e.dtype.startswith("F8") for e in matrices) * 2 >= max(1, len(matrices)):
         import logging
 
         logging.getLogger(__name__).warning(
@@ -121,11 +122,11 @@ def preflight(cfg: dict, adapter, size: tuple[int, int], estimate: dict, cuda: b
             "model.dtype (twice the bytes): model.quantize=fp8 holds them as stored")
     if not (cuda_available() if cuda is None else cuda):
         return host_need(cfg, estimate, loading)
-    targets = lora_targets(cfg["train"], adapter)
+    targets = lora_targets(cfg.train, adapter)
 
     def estimate_for(c):
         return estimate_of(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
-                           c["model"]["max_sequence_length"], adapter.denoiser_cls if stored_as(c["model"]) else None,
+                           c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
                            adapter.swap_blocks, adapter.denoisers)
 
     blocks = adapter.denoisers * len(block_order(shapes, adapter.swap_blocks))  # the experts share names

@@ -11,13 +11,15 @@ dequantize) is measured by bench/memory_peak.py's live-storage count (peak_gib);
 are not in it: `bench/gpu.py` measures a GPU's real peak."""
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
 import struct
 from pathlib import Path
 
-from tasks.config import stored_as
+from tasks.config import Config, stored_as
+from tasks.config_schema import TrainConfig
 from tasks.runtime import cuda_available
 
 GB = 1024 ** 3
@@ -60,9 +62,9 @@ def _numel(shape) -> int:
     return out
 
 
-def lora_targets(tc: dict, adapter) -> list[str] | str:
+def lora_targets(tc: TrainConfig, adapter) -> list[str] | str:
     """train.target_modules (suffixes) or the family's default (suffixes or one full-path regex)."""
-    return list(tc["target_modules"]) if tc["target_modules"] else adapter.default_lora_targets()
+    return list(tc.target_modules) if tc.target_modules else adapter.default_lora_targets()
 
 
 def _lora_params(shapes: dict[str, list[int]], targets: list[str] | str, rank: int) -> int:
@@ -210,23 +212,23 @@ def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, f
     return tokens, channels[0], blocks
 
 
-def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
+def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
              text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = (), copies: int = 1) -> dict:
     """`copies`: how many denoisers of this shape training holds (Wan 2.2's two experts under one LoRA): their
     weights count each, the LoRA and the activations once (one expert runs an item); train.blocks_to_swap takes
     the last copy's blocks first (wan22_experts.TwoExperts.blocks)."""
-    tc, mc = cfg["train"], cfg["model"]
+    tc, mc = cfg.train, cfg.model
     folder = Path(model_dir) / denoiser_folder
     config = json.loads((folder / "config.json").read_text())
     shapes = header_shapes(folder)
     params = sum(_numel(s) for s in shapes.values())
     # the skip patterns matter only with an fp8 base (and import diffusers: not for every no-op run)
     stored = stored_as(mc)
-    skip = layerwise_skip_patterns(denoiser_cls, mc.get("storage_modulation", False)) if stored else ()
-    per_weight = weight_bytes(shapes, mc["dtype"], stored, skip)
+    skip = layerwise_skip_patterns(denoiser_cls, mc.storage_modulation) if stored else ()
+    per_weight = weight_bytes(shapes, mc.dtype, stored, skip)
     # train.blocks_to_swap: those blocks' Linear/Conv weights wait on the host; one layer at a time is on the
     # device (counted: the largest, in the compute dtype)
-    swap = tc.get("blocks_to_swap", 0)
+    swap = tc.blocks_to_swap
     per_copy = len(block_order(shapes, swap_lists)) if swap_lists else 0
     if copies > 1 and swap > per_copy * copies:
         from tasks.config import ConfigError
@@ -236,29 +238,29 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
     counts = [min(per_copy, max(0, swap - c * per_copy)) for c in range(copies)] if copies > 1 else [swap]
     swapped = [k for n in counts for k in swapped_weights(shapes, swap_lists, n)] if swap_lists else []
     host_bytes = sum(per_weight[k] for k in swapped)
-    in_flight = max((_numel(shapes[k]) * _BYTES[mc["dtype"]] for k in swapped), default=0)
+    in_flight = max((_numel(shapes[k]) * _BYTES[mc.dtype] for k in swapped), default=0)
     held_bytes = round(copies * sum(per_weight.values()) - host_bytes + in_flight)
     params *= copies
-    lora = _lora_params(shapes, targets, tc["rank"])
+    lora = _lora_params(shapes, targets, tc.rank)
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
-    optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc["optimizer"], 8)
-    ema_bytes = 4 if tc.get("ema_decay") is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
+    optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc.optimizer, 8)
+    ema_bytes = 4 if tc.ema_decay is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
-    tokens, width, blocks = activation_geometry(config, size, text_tokens, cfg.get("data", {}).get("frames", 1))
-    act_dtype = 2 if tc["mixed_precision"] in ("bf16", "fp16") else _BYTES[mc["dtype"]]
-    unit = tokens * width * act_dtype * tc["batch_size"]
+    tokens, width, blocks = activation_geometry(config, size, text_tokens, cfg.data.frames)
+    act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else _BYTES[mc.dtype]
+    unit = tokens * width * act_dtype * tc.batch_size
     per_block, ckpt_input, recompute = activation_factors(config)
-    if tc["gradient_checkpointing"] and tc.get("gradient_checkpointing_offload"):
+    if tc.gradient_checkpointing and tc.gradient_checkpointing_offload:
         # each block's input (one token x width value each) waits on the host; one is back for its recompute
         activations = (blocks * (ckpt_input - 1) + 1 + recompute) * unit
         host_bytes += blocks * unit
-    elif tc["gradient_checkpointing"]:
+    elif tc.gradient_checkpointing:
         activations = (blocks * ckpt_input + recompute) * unit
     else:
         activations = blocks * per_block * unit
     largest = max((_numel(shapes[k]) for k, b in per_weight.items() if stored and k.endswith(".weight")
-                   and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc["dtype"]]), default=0)
+                   and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc.dtype]), default=0)
     transient = max(TRANSIENT_FACTOR * unit, UPCAST_BYTES.get(stored, 0.0) * largest - lora * 4)
     total = held_bytes + lora_bytes + activations + transient
     return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
@@ -266,28 +268,28 @@ def estimate(cfg: dict, model_dir: Path, denoiser_folder: str, targets: list[str
             "host_gb": host_bytes / GB}
 
 
-def errors(cfg: dict, adapter_cls) -> list[str]:
+def errors(cfg: Config, adapter_cls) -> list[str]:
     """The memory options' refusals (validate's config_errors): each names its keys and the fix."""
-    tc, out = cfg["train"], []
-    if tc["network"] == "dora" and cfg["model"].get("expert") == "both":  # Wan 2.2 (tasks/models/wan22_experts.py)
+    tc, out = cfg.train, []
+    if tc.network == "dora" and cfg.model.expert == "both":  # Wan 2.2 (tasks/models/wan22_experts.py)
         out.append("train.network=dora with model.expert=both: DoRA's magnitude is the base weight's norm, which "
                    "differs per expert; use train.network=lora, or -m model.expert=high,low")
-    if tc.get("gradient_checkpointing_offload") and not tc["gradient_checkpointing"]:
+    if tc.gradient_checkpointing_offload and not tc.gradient_checkpointing:
         out.append("train.gradient_checkpointing_offload=true keeps what checkpointing saves on the host: set "
                    "train.gradient_checkpointing=true too (or drop the offload)")
-    swap = tc.get("blocks_to_swap", 0)
+    swap = tc.blocks_to_swap
     if swap < 0 or (swap and not adapter_cls.swap_blocks):
         out.append(f"train.blocks_to_swap={swap}: " + ("a count of blocks, 0 or more" if swap < 0 else
-                   f"model.family={cfg['model']['family']} has no transformer blocks to swap; set it to 0"))
-    elif swap and tc["network"] == "dora":
+                   f"model.family={cfg.model.family} has no transformer blocks to swap; set it to 0"))
+    elif swap and tc.network == "dora":
         out.append("train.network=dora with train.blocks_to_swap: DoRA reads the base weights of the swapped "
                    "blocks directly; use train.network=lora, or train.blocks_to_swap=0")
-    stored = stored_as(cfg["model"])
-    if tc["network"] == "dora" and stored and stored != "int8":
+    stored = stored_as(cfg.model)
+    if tc.network == "dora" and stored and stored != "int8":
         # DoRA reads the base weight for its norm directly, past the stored base's autograd cast; peft
         # dequantizes torchao's Int8Tensor there (dequantize_module_weight), not an fp8 or NF4 weight
-        key = f"model.quantize={cfg['model']['quantize']}" if cfg["model"].get("quantize", "none") != "none" else \
-            f"model.storage_dtype={cfg['model']['storage_dtype']}"
+        key = f"model.quantize={cfg.model.quantize}" if cfg.model.quantize != "none" else \
+            f"model.storage_dtype={cfg.model.storage_dtype}"
         out.append(f"train.network=dora with {key}: DoRA reads the base weights for its norm; keep the base in "
                    "the compute dtype or use model.quantize=int8 (or train.network=lora)")
     return out
@@ -326,20 +328,20 @@ _QUANTIZE = ("fp8", "int8", "nf4")
 OFFLOAD = ("train.gradient_checkpointing_offload=true", ("train", "gradient_checkpointing_offload"), True)
 
 
-def _with(cfg: dict, changes: list[tuple]) -> dict:
-    new = {**cfg, "train": dict(cfg["train"]), "model": dict(cfg["model"])}
+def _with(cfg: Config, changes: list[tuple]) -> dict:
+    new = copy.deepcopy(cfg)
     for _, (section, key), value in changes:
-        new[section][key] = value
+        setattr(getattr(new, section), key, value)
         if key == "quantize":  # one way to store the base (validate refuses both)
-            new["model"]["storage_dtype"] = None
+            new.model.storage_dtype = None
     return new
 
 
-def fitting_settings(cfg: dict, budget_gb: float, estimate_fn, max_swap: int = 0) -> list[str]:
+def fitting_settings(cfg: Config, budget_gb: float, estimate_fn, max_swap: int = 0) -> list[str]:
     """What would fit the budget: each remedy alone that does; else checkpointing + 8-bit AdamW with the fewest
     blocks swapped (up to `max_swap`) and, at that count, the least quantized base (as is, fp8, int8, nf4)."""
-    open_ = [r for r in REMEDIES if cfg[r[1][0]].get(r[1][1]) != r[2] and not (
-        r[1][1] == "quantize" and stored_as(cfg["model"]) in ("int8", "nf4") and r[2] == "fp8")]
+    open_ = [r for r in REMEDIES if getattr(getattr(cfg, r[1][0]), r[1][1]) != r[2] and not (
+        r[1][1] == "quantize" and stored_as(cfg.model) in ("int8", "nf4") and r[2] == "fp8")]
     fits = []
     for r in open_:
         gb = estimate_fn(_with(cfg, [r]))["total_gb"]
@@ -349,7 +351,7 @@ def fitting_settings(cfg: dict, budget_gb: float, estimate_fn, max_swap: int = 0
         return fits
     base = [r for r in open_ if r[1][1] in ("gradient_checkpointing", "optimizer")]
     stores = [[]] + [[r] for r in open_ if r[1][1] == "quantize"]
-    offloads = [[]] + ([] if cfg["train"].get("gradient_checkpointing_offload") else [[OFFLOAD]])
+    offloads = [[]] + ([] if cfg.train.gradient_checkpointing_offload else [[OFFLOAD]])
     for swap in range(0, max_swap + 1):  # the fewest blocks swapped (each costs a copy a step), then the
         for offload in offloads:          # activations kept on the device, then the least quantized base
             for store in stores:
@@ -363,19 +365,19 @@ def fitting_settings(cfg: dict, budget_gb: float, estimate_fn, max_swap: int = 0
     return []
 
 
-def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
+def preflight(cfg: Config, adapter, size: tuple[int, int]) -> dict:
     """The estimate for this run; raises ConfigError when it exceeds the budget, naming what would fit."""
     from tasks.config import ConfigError
 
-    targets = lora_targets(cfg["train"], adapter)
+    targets = lora_targets(cfg.train, adapter)
 
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
-                        c["model"]["max_sequence_length"], adapter.denoiser_cls if stored_as(c["model"]) else None,
+                        c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
                         adapter.swap_blocks, adapter.denoisers)
 
     est = estimate_for(cfg)
-    limit = cfg["train"]["memory_limit_gb"]
+    limit = cfg.train.memory_limit_gb
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
     if est["total_gb"] > budget:
@@ -389,5 +391,5 @@ def preflight(cfg: dict, adapter, size: tuple[int, int]) -> dict:
         raise ConfigError(
             f"training will not fit in memory: about {est['total_gb']:.1f} GiB needed (weights {est['weights_gb']:.1f}, "
             f"LoRA + optimizer {est['lora_and_optimizer_gb']:.2f}, activations {est['activations_gb']:.1f} at "
-            f"{size[0]}x{size[1]}, batch {cfg['train']['batch_size']}) > {budget:.1f} GiB ({source}); {hint}")
+            f"{size[0]}x{size[1]}, batch {cfg.train.batch_size}) > {budget:.1f} GiB ({source}); {hint}")
     return est

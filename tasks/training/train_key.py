@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from tasks import cache_text
-from tasks.config import stored_as
+from tasks.config import Config, as_plain, stored_as
+from tasks.config_schema import TrainConfig
 from tasks.data import augment, controls, masks
 from tasks.models import adapter_class
 from tasks.models.lora_variants import text_encoder_lora as te_lora
@@ -35,7 +36,7 @@ _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"),
              ("compile", False))  # compiled kernels round differently: another LoRA
 
 
-def inputs(cfg: dict, plan: Plan, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
+def inputs(cfg: Config, plan: Plan, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
     """The training key covers the base denoiser, every hyper-parameter and each item's (latent, caption) pair.
 
     A live-encoded caption is named by the key its cached item would have (text + encoders + settings)."""
@@ -57,35 +58,35 @@ def inputs(cfg: dict, plan: Plan, latent_keys: dict[str, str], text_keys: dict[s
         return key_of_hex([latent_keys[it["name"]], _caption_key(texts_of, live_params, text_keys, it), *mask])
 
     pairs = {f"item:{it['name']}": pair(it) for it in plan.items if it["name"] not in held}
-    unused = _unused(cfg["train"])
+    unused = _unused(cfg.train)
     if not any(it.get("is_reg") for it in plan.items):  # it weighs reg images only
         unused.add("prior_loss_weight")
     return {"node": "train", "code": CODE_VERSION, "family": plan.family, **_family_version(plan),
             "denoiser": plan.ids["denoiser"], "scheduler": plan.ids["scheduler"],
-            "dtype": cfg["model"]["dtype"], "storage_dtype": cfg["model"]["storage_dtype"], **_modulation(cfg),
-            **({"expert": cfg["model"]["expert"]} if cfg["model"].get("expert") else {}),  # Wan 2.2's
-            "text.cache": cfg["text"]["cache"], **_loss_scaling(cfg), **runtime(),
-            **{f"train.{k}": v for k, v in cfg["train"].items() if k not in _NOT_KEY and k not in unused},
+            "dtype": cfg.model.dtype, "storage_dtype": cfg.model.storage_dtype, **_modulation(cfg),
+            **({"expert": cfg.model.expert} if cfg.model.expert else {}),  # Wan 2.2's
+            "text.cache": cfg.text.cache, **_loss_scaling(cfg), **runtime(),
+            **{f"train.{k}": v for k, v in as_plain(cfg.train).items() if k not in _NOT_KEY and k not in unused},
             **_augmentation(cfg), **_sampling(cfg), **_validation(cfg, plan, pair), **_text_encoders(cfg, plan), **pairs}
 
 
-def key_of_node(cfg: dict, plan: Plan, latent_keys: dict, text_keys: dict) -> str:
+def key_of_node(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict) -> str:
     return key_of(inputs(cfg, plan, latent_keys, text_keys))
 
 
-def _text_encoders(cfg: dict, plan: Plan) -> dict:
+def _text_encoders(cfg: Config, plan: Plan) -> dict:
     # train.text_encoder_lr: the encoders (and tokenizers) being trained are part of what is trained
     return {"text_encoders": plan.ids["text"]} if te_lora.enabled(cfg) else {}
 
 
-def _validation(cfg: dict, plan: Plan, pair) -> dict:
+def _validation(cfg: Config, plan: Plan, pair) -> dict:
     # The held-out items (their losses are stored with the LoRA), only when data.validation_split is set.
     from tasks.training.validation_loss import DRAWS, VALIDATION_SEED
 
     held = set(plan.validation_items)
     if not held:
         return {}
-    return {"validation": {"split": cfg["data"]["validation_split"], "seed": VALIDATION_SEED, "draws": DRAWS,
+    return {"validation": {"split": cfg.data.validation_split, "seed": VALIDATION_SEED, "draws": DRAWS,
                            "items": {it["name"]: pair(it) for it in plan.items if it["name"] in held}}}
 
 
@@ -96,12 +97,12 @@ def _draws(item: dict) -> list[dict]:
     return [draws] if draws else []
 
 
-def _unused(tc: dict) -> set[str]:
+def _unused(tc: TrainConfig) -> set[str]:
     """Settings added since keys were first stored, left out of the key while they have no effect (at their
     default), so every earlier LoRA keeps its key."""
-    out = {k for k, default in _DEFAULTS if tc.get(k) == default}
-    out |= {"huber_c"} if tc.get("loss") != "huber" else set()
-    return out | ({"discrete_flow_shift"} if tc.get("timestep_sampling") != "shift" else set())
+    out = {k for k, default in _DEFAULTS if getattr(tc, k) == default}
+    out |= {"huber_c"} if tc.loss != "huber" else set()
+    return out | ({"discrete_flow_shift"} if tc.timestep_sampling != "shift" else set())
 
 
 def _family_version(plan: Plan) -> dict:
@@ -110,42 +111,42 @@ def _family_version(plan: Plan) -> dict:
     return {"family_version": version} if version else {}
 
 
-def _loss_scaling(cfg: dict) -> dict:
+def _loss_scaling(cfg: Config) -> dict:
     # fp16 weights train with accelerate's fp16 loss scaling whatever train.mixed_precision says (since issue 18)
-    return {"loss_scaling": "fp16"} if cfg["model"]["dtype"] == "float16" else {}
+    return {"loss_scaling": "fp16"} if cfg.model.dtype == "float16" else {}
 
 
-def _modulation(cfg: dict) -> dict:
+def _modulation(cfg: Config) -> dict:
     # In the key only where it changes the weights: every existing key stays as it was. An fp8 base's
     # LoRA bytes changed with tasks/training/fp8_base.py (the autograd-safe cast replaced layerwise casting).
-    quantize = cfg["model"].get("quantize", "none")
-    if not stored_as(cfg["model"]):
+    quantize = cfg.model.quantize
+    if not stored_as(cfg.model):
         return {}
     return {"fp8_base": FP8_BASE_VERSION, **({"quantize": quantize} if quantize != "none" else {}),
-            **({"storage_modulation": True} if cfg["model"].get("storage_modulation") else {}),
+            **({"storage_modulation": True} if cfg.model.storage_modulation else {}),
             # activations quantized per token (tasks/training/w8a8.py): other numbers than the upcast weight's
-            **({"matmul": "w8a8"} if w8a8.resolve(cfg["model"]) == "w8a8" else {})}
+            **({"matmul": "w8a8"} if w8a8.resolve(cfg.model) == "w8a8" else {})}
 
 
-def _sampling(cfg: dict) -> dict:
+def _sampling(cfg: Config) -> dict:
     # Samples during training are outputs of this node (the prompts file's content is not: it is re-read
     # at each sample point, and editing it must not retrain).
-    every = cfg["sample"]["every_n_steps"]
+    every = cfg.sample.every_n_steps
     return {"sample.every_n_steps": every} if every else {}
 
 
-def _augmentation(cfg: dict) -> dict:
+def _augmentation(cfg: Config) -> dict:
     aug = cache_text.caption_aug(cfg)
     if not augment.active(aug):
         return {}
     return {"augment": {**asdict(aug), "mode": augment.text_mode(te_lora.text_settings(cfg), aug),
-                        "variants_seed": cfg["text"]["variants_seed"]}}
+                        "variants_seed": cfg.text.variants_seed}}
 
 
-def trajectory_key(node_inputs: dict, tc: dict) -> str:
+def trajectory_key(node_inputs: dict, tc: TrainConfig) -> str:
     keep = {k: v for k, v in node_inputs.items() if k not in _NOT_TRAJECTORY}
-    if tc["lr_scheduler"] not in SCHEDULES_WITHOUT_MAX_STEPS:
-        keep["train.max_steps"] = tc["max_steps"]
+    if tc.lr_scheduler not in SCHEDULES_WITHOUT_MAX_STEPS:
+        keep["train.max_steps"] = tc.max_steps
     return key_of(keep)
 
 

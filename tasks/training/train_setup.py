@@ -7,16 +7,15 @@ import random
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
-from tasks.config import stored_as
+from tasks.config import Config, stored_as
+from tasks.config_schema import TrainConfig
 from tasks.lazy import lazy
 from tasks.models.lora_variants import lycoris
 from tasks.training import w8a8
 from tasks.training.base_loading import load_planned, plan_loading
 from tasks.training.memory import layerwise_skip_patterns, lora_targets
 
-torch = lazy("torch")
+torch, np = lazy("torch"), lazy("numpy")
 
 
 def seed_everything(seed: int) -> None:
@@ -25,10 +24,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def precision(cfg: dict) -> str:
+def precision(cfg: Config) -> str:
     """accelerate's mixed_precision: fp16 (autocast + GradScaler) whenever the weights are fp16, so the backward
     pass never runs in fp16 without loss scaling (the LoRA weights are fp32); else train.mixed_precision."""
-    return "fp16" if cfg["model"]["dtype"] == "float16" else cfg["train"]["mixed_precision"]
+    return "fp16" if cfg.model.dtype == "float16" else cfg.train.mixed_precision
 
 
 def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
@@ -44,11 +43,11 @@ def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
                        log_with="tensorboard" if log_dir else None, project_dir=str(log_dir) if log_dir else None)
 
 
-def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
+def make_optimizer(tc: TrainConfig, params: list) -> torch.optim.Optimizer:
     """train.optimizer: adamw (torch), adamw8bit / lion8bit (bitsandbytes, CUDA only), prodigy (prodigyopt: it
     estimates the step size itself, train.lr=1.0 is its usual setting), adafactor (transformers', with a
     fixed train.lr as sd-scripts documents: no relative step, no parameter scaling, no warm-up)."""
-    name, lr, wd = tc["optimizer"], tc["lr"], tc["weight_decay"]
+    name, lr, wd = tc.optimizer, tc.lr, tc.weight_decay
     if name in ("adamw8bit", "lion8bit"):
         try:
             import bitsandbytes as bnb
@@ -72,9 +71,9 @@ def make_optimizer(tc: dict, params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
 
 
-def make_ema(tc: dict, named: dict) -> dict | None:
+def make_ema(tc: TrainConfig, named: dict) -> dict | None:
     """train.ema_decay: the EMA of the LoRA weights, starting at their initial values (None: off)."""
-    if tc.get("ema_decay") is None:
+    if tc.ema_decay is None:
         return None
     return {n: p.detach().clone() for n, p in named.items()}
 
@@ -86,35 +85,35 @@ def update_ema(ema: dict, named: dict, decay: float) -> None:
             ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
-def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
+def prepare_denoiser(adapter, cfg: Config, stream: bool = True):
     """The base denoiser, frozen, with fp32 LoRA layers (peft), optionally an fp8-stored base and gradient
     checkpointing. Returns (denoiser, {name: trainable parameter}). `stream=False`: the base loaded whole by
     from_pretrained and stored low afterwards, as before issue 43 (bench.load's "before" rows; the same result)."""
     from peft import LoraConfig  # here: a no-op run never trains, and peft takes a second to import
 
-    tc = cfg["train"]
+    tc = cfg.train
     # cuDNN's fused attention stays off while training: on an H200 (torch 2.11+cu130) its backward failed with an
     # illegal memory access on FLUX.1-dev at 4608 tokens, where flash/memory-efficient attention ran the same
     # step (bench/RESULTS.md, GPU); pytorch#190321 and #134001 give this same mitigation, and #196678 reports
     # NaN gradients from it since torch 2.11. Only CUDA reads the flag.
     torch.backends.cuda.enable_cudnn_sdp(False)
-    stored = stored_as(cfg["model"])
-    skip = layerwise_skip_patterns(adapter.denoiser_cls, cfg["model"].get("storage_modulation", False)) \
+    stored = stored_as(cfg.model)
+    skip = layerwise_skip_patterns(adapter.denoiser_cls, cfg.model.storage_modulation) \
         if stored else ()
     # streamed in, each frozen weight stored low as it is read (tasks/training/base_loading.py)
     loading = plan_loading(adapter, cfg, skip) if stream else None
     denoiser = load_planned(adapter, loading, adapter.load_denoiser)
     denoiser.requires_grad_(False)
-    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+    alpha = tc.alpha if tc.alpha is not None else tc.rank
     # train.network=dora / train.rslora: peft's own variants; loha / lokr: peft's LoHaConfig / LoKrConfig
     # (tasks/models/lora_variants/lycoris.py). At the defaults the config is the plain LoraConfig it always was, so the
     # file's metadata is unchanged.
     if lycoris.is_lycoris(tc):
-        config = lycoris.make_config(tc["network"], tc["rank"], alpha, lora_targets(tc, adapter))
+        config = lycoris.make_config(tc.network, tc.rank, alpha, lora_targets(tc, adapter))
     else:
-        config = LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
-                            target_modules=lora_targets(tc, adapter), use_dora=tc.get("network", "lora") == "dora",
-                            use_rslora=bool(tc.get("rslora")))
+        config = LoraConfig(r=tc.rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                            target_modules=lora_targets(tc, adapter), use_dora=tc.network == "dora",
+                            use_rslora=bool(tc.rslora))
     denoiser.add_adapter(config)
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
@@ -135,19 +134,19 @@ def prepare_denoiser(adapter, cfg: dict, stream: bool = True):
         from tasks.training.fp8_base import store_base_low  # here: it subclasses diffusers' hooks (torch at import)
 
         store_base_low(denoiser, getattr(torch, stored), adapter.dtype, skip)
-    if stored and w8a8.resolve(cfg["model"]) == "w8a8":  # the stored type's own matmul (tasks/training/w8a8.py)
+    if stored and w8a8.resolve(cfg.model) == "w8a8":  # the stored type's own matmul (tasks/training/w8a8.py)
         from tasks.training.fp8_base import set_matmul
 
         set_matmul(denoiser, "w8a8")
-    if tc.get("blocks_to_swap"):
+    if tc.blocks_to_swap:
         from tasks.training.block_swap import swap_blocks
 
-        swap_blocks(denoiser, adapter.swap_blocks, tc["blocks_to_swap"], adapter.dtype)
-    if tc["gradient_checkpointing"] and tc.get("gradient_checkpointing_offload"):
+        swap_blocks(denoiser, adapter.swap_blocks, tc.blocks_to_swap, adapter.dtype)
+    if tc.gradient_checkpointing and tc.gradient_checkpointing_offload:
         from tasks.training.activation_offload import offloaded_checkpoint
 
         denoiser.enable_gradient_checkpointing(offloaded_checkpoint)
-    elif tc["gradient_checkpointing"]:
+    elif tc.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     return denoiser, named
 

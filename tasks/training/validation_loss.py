@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from tasks.config import ConfigError
+from tasks.config import Config, ConfigError
+from tasks.config_schema import TrainConfig
 from tasks.store.hashing import key_int, key_of
 from tasks.lazy import lazy
 
@@ -46,8 +47,8 @@ def due(step: int, every: int, max_steps: int) -> bool:
     return step == max_steps or bool(every and step % every == 0)
 
 
-def errors(cfg: dict) -> list[str]:
-    split, every = cfg["data"]["validation_split"], cfg["train"]["validate_every_n_steps"]
+def errors(cfg: Config) -> list[str]:
+    split, every = cfg.data.validation_split, cfg.train.validate_every_n_steps
     out = []
     if not (isinstance(split, (int, float)) and 0 <= split < 1):
         out.append(f"data.validation_split={split!r}: must be in [0, 1) (the fraction of images held out; 0: off)")
@@ -64,7 +65,7 @@ def held_controls(store, kind: str, items: list[dict], control_keys: list[list[s
     return [[store.get_tensors(kind, k)["latents"] for k in keys[n]] for n in held]
 
 
-def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: dict, scheduler,
+def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: TrainConfig, scheduler,
           controls: list[list] | None = None) -> float:
     """The mean loss over the held-out items and their DRAWS fixed draws, with the current LoRA. No global
     RNG is used and the model is put back in its mode: the training trajectory is unchanged.
@@ -80,7 +81,7 @@ def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: 
             for i, name in enumerate(names):
                 gens = generators(name)
                 stored = latents[i]
-                captions = [texts.get(i, tc["max_steps"], g) for g in gens]
+                captions = [texts.get(i, tc.max_steps, g) for g in gens]
                 text = {k: torch.stack([c[k] for c in captions]) for k in captions[0]}
                 text.update({k: torch.stack([v] * len(gens)) for k, v in stored.items() if k != "latents"})
                 batch = torch.stack([stored["latents"]] * len(gens)).to(accelerator.device, adapter.dtype)

@@ -20,6 +20,7 @@ kernels refuse (a side not a multiple of 16) run the fallback, layer by layer.
 The weights stay as stored: nothing here is saved for backward but the stored weight (fp8_base's Function)."""
 from __future__ import annotations
 
+from tasks.config_schema import ModelConfig
 from tasks.lazy import lazy
 from tasks.runtime import cuda_available
 
@@ -36,18 +37,18 @@ def available(kind: str) -> bool:
     return kind == "int8" or kind == "fp8" and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def kind_of(mc: dict) -> str | None:
+def kind_of(mc: ModelConfig) -> str | None:
     """The stored base these kernels take: "int8", "fp8" (model.quantize=fp8 or storage_dtype=float8_e4m3fn)."""
-    q = mc.get("quantize") or "none"
+    q = mc.quantize or "none"
     if q in ("int8", "fp8"):
         return q
-    return "fp8" if q == "none" and mc.get("storage_dtype") == "float8_e4m3fn" else None
+    return "fp8" if q == "none" and mc.storage_dtype == "float8_e4m3fn" else None
 
 
-def resolve(mc: dict) -> str:
+def resolve(mc: ModelConfig) -> str:
     """The matmul a run of model config `mc` uses: "w8a8" or "dequantize" (auto: w8a8 where the GPU has the
     kernel, else the fallback)."""
-    mode, kind = mc.get("matmul") or "auto", kind_of(mc)
+    mode, kind = mc.matmul or "auto", kind_of(mc)
     if kind is None or mode == "dequantize":
         return "dequantize"
     return "w8a8" if mode == "w8a8" or available(kind) else "dequantize"

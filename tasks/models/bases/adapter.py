@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
+from tasks.config_schema import ModelConfig, TrainConfig
 from tasks.lazy import lazy
 from tasks.models.loading import fp8_single_file
 
 torch = lazy("torch")
+Image = lazy("PIL.Image")  # named by annotations only here
 
 
 def _quiet_diffusers_bars() -> None:
@@ -116,12 +116,12 @@ class FamilyAdapter(ABC):
     # x width), where measured on the family itself (tasks/training/memory.py); None: FLUX.1's
     activation_factors: tuple[float, float, float] | None = None
 
-    def configure(self, model_cfg: dict) -> None:
+    def configure(self, model_cfg: ModelConfig) -> None:
         """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""
-        if model_cfg.get("expert"):
+        if model_cfg.expert:
             from tasks.config import ConfigError
 
-            raise ConfigError(f"model.expert={model_cfg['expert']}: only Wan 2.2 (model.family=wan22) has experts; "
+            raise ConfigError(f"model.expert={model_cfg.expert}: only Wan 2.2 (model.family=wan22) has experts; "
                               f"drop it for model.family={self.family}")
 
     # dtype and device read torch: made when first used, so validate's preflight (an adapter for its model
@@ -242,7 +242,7 @@ class FamilyAdapter(ABC):
         """peft target_modules: names matched by suffix, or one regex matched against whole module paths."""
 
     @abstractmethod
-    def training_loss(self, denoiser, latents: torch.Tensor, text: dict[str, torch.Tensor], train_cfg: dict,
+    def training_loss(self, denoiser, latents: torch.Tensor, text: dict[str, torch.Tensor], train_cfg: TrainConfig,
                       scheduler, generators: list[torch.Generator]) -> torch.Tensor:
         """Mean loss over the batch; every random draw for item i comes from generators[i]."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from tasks.config_schema import TrainConfig
 from tasks.lazy import lazy
 from tasks.models.bases.adapter import FamilyAdapter, load_lora_file
 from tasks.models.bases.losses import flow_loss, offset_noise
@@ -14,7 +15,7 @@ diffusers = lazy("diffusers")
 training_utils = lazy("diffusers.training_utils")
 
 
-def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators: list[torch.Generator]):
+def noise_latents(latents: torch.Tensor, train_cfg: TrainConfig, scheduler, generators: list[torch.Generator]):
     """(noisy, noise, timesteps, sigmas): timesteps drawn with the configured density. One generator per
     batch item (see tasks/train.py: item_generators), so an item's draws are the same however the batch
     is split across processes, and a seed fixes the whole run."""
@@ -23,24 +24,24 @@ def noise_latents(latents: torch.Tensor, train_cfg: dict, scheduler, generators:
     noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype) for g in generators])
     noise = noise.to(latents.device)
     u = torch.cat([training_utils.compute_density_for_timestep_sampling(
-        weighting_scheme=train_cfg["weighting_scheme"], batch_size=1, logit_mean=train_cfg["logit_mean"],
-        logit_std=train_cfg["logit_std"], mode_scale=train_cfg["mode_scale"], generator=g) for g in generators])
-    mode = train_cfg.get("timestep_sampling", "sigma")
+        weighting_scheme=train_cfg.weighting_scheme, batch_size=1, logit_mean=train_cfg.logit_mean,
+        logit_std=train_cfg.logit_std, mode_scale=train_cfg.mode_scale, generator=g) for g in generators])
+    mode = train_cfg.timestep_sampling
     if mode == "sigma":  # a sigma of the scheduler's table (its own shift applied), as diffusers' examples
         indices = (u * scheduler.config.num_train_timesteps).long().clamp(max=len(scheduler.timesteps) - 1)
         sigmas = scheduler.sigmas[indices].to(latents.device, latents.dtype).view(b, *[1] * (latents.ndim - 1))
         timesteps = scheduler.timesteps[indices].to(latents.device)
     else:  # continuous, as sd-scripts' --timestep_sampling uniform / shift / flux_shift
-        sigmas = shifted_sigmas(u, mode, train_cfg.get("discrete_flow_shift", 3.0), latents.shape[-2:])
+        sigmas = shifted_sigmas(u, mode, train_cfg.discrete_flow_shift, latents.shape[-2:])
         timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
         sigmas = sigmas.to(latents.device, latents.dtype).view(b, *[1] * (latents.ndim - 1))  # video: [B,C,F,h,w]
     noise = offset_noise(noise, train_cfg, generators)  # after the sigma draws: they stay as without it
     return (1.0 - sigmas) * latents + sigmas * noise, noise, timesteps, sigmas
 
 
-def weighted_loss(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, train_cfg: dict) -> torch.Tensor:
+def weighted_loss(pred: torch.Tensor, target: torch.Tensor, sigmas: torch.Tensor, train_cfg: TrainConfig) -> torch.Tensor:
     """The weighting scheme's per-sigma weights times train.loss (l2 or huber), averaged."""
-    return flow_loss(pred, target, training_utils.compute_loss_weighting_for_sd3(train_cfg["weighting_scheme"], sigmas), train_cfg)
+    return flow_loss(pred, target, training_utils.compute_loss_weighting_for_sd3(train_cfg.weighting_scheme, sigmas), train_cfg)
 
 
 def shifted_sigmas(u: torch.Tensor, mode: str, shift: float, latent_hw) -> torch.Tensor:

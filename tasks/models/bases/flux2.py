@@ -94,7 +94,7 @@ class Flux2Adapter(TransformerAdapter):
         txt_ids = P._prepare_text_ids(embeds).to(latents.device)
         guidance = None  # [dev]'s guidance embedding gets train.guidance, as diffusers' example its --guidance_scale
         if transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(train_cfg["guidance"]), dtype=torch.float32, device=latents.device)
+            guidance = torch.full((b,), float(train_cfg.guidance), dtype=torch.float32, device=latents.device)
         pred = transformer(hidden_states=packed, encoder_hidden_states=embeds, timestep=timesteps.to(latents.dtype) / 1000,
                            img_ids=img_ids, txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
         pred = pred[:, :n_target].permute(0, 2, 1).reshape(b, c, h, w)

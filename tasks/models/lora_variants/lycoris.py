@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tasks.config_schema import TrainConfig
 from tasks.lazy import lazy
 
 torch = lazy("torch")
@@ -24,8 +25,8 @@ SUFFIXES = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
 LORA_META = "lora_adapter_metadata"
 
 
-def is_lycoris(tc: dict) -> bool:
-    return tc.get("network", "lora") in NETWORKS
+def is_lycoris(tc: TrainConfig) -> bool:
+    return tc.network in NETWORKS
 
 
 def make_config(network: str, rank: int, alpha: float, targets):

@@ -10,8 +10,11 @@ nothing. Which components train lives in the adapter (`text_encoder_lora_modules
 refuses the setting."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+from tasks.config import Config
+from tasks.config_schema import TrainConfig
 from tasks.models.lora_variants import lycoris
 
 # report.json nodes.cache_text.text_encoding, when the encoders train
@@ -20,32 +23,32 @@ LIVE = ("live: train.text_encoder_lr trains the text encoders, so nothing is rea
         "encoders")
 
 
-def enabled(cfg: dict) -> bool:
-    return cfg["train"].get("text_encoder_lr") is not None
+def enabled(cfg: Config) -> bool:
+    return cfg.train.text_encoder_lr is not None
 
 
-def text_settings(cfg: dict) -> dict:
-    """cfg["text"] as training meets it: with trained encoders every caption is encoded live, as with
+def text_settings(cfg: Config) -> dict:
+    """cfg.text as training meets it: with trained encoders every caption is encoded live, as with
     text.cache=false (augment.text_mode reads it)."""
-    return {**cfg["text"], "cache": False} if enabled(cfg) else cfg["text"]
+    return replace(cfg.text, cache=False) if enabled(cfg) else cfg.text
 
 
-def errors(cfg: dict, adapter_cls) -> list[str]:
+def errors(cfg: Config, adapter_cls) -> list[str]:
     if not enabled(cfg):
         return []
-    lr, family, out = cfg["train"]["text_encoder_lr"], cfg["model"]["family"], []
+    lr, family, out = cfg.train.text_encoder_lr, cfg.model.family, []
     if not adapter_cls.text_encoder_lora_modules:
         out.append(f"train.text_encoder_lr={lr}: train.text_encoder_lr is supported for sd15/sdxl (their CLIP text "
                    f"encoders, as sd-scripts and diffusers train them); model.family={family} trains its denoiser "
                    "only: set train.text_encoder_lr=null")
-    if cfg["train"]["network"] == "dora":
+    if cfg.train.network == "dora":
         # diffusers 0.42.1 + transformers 5 load a text encoder's DoRA magnitudes under the wrong name (peft's
         # `lora_magnitude_vector` vs the expected `...lora_magnitude_vector.weight`): they would be re-initialised
         out.append(f"train.text_encoder_lr={lr} with train.network=dora: diffusers' load_lora_weights does not "
                    "restore a text encoder's DoRA magnitudes (they load re-initialised), so the samples and the "
                    "exported file would not be what was trained; use train.network=lora, or "
                    "train.text_encoder_lr=null")
-    if cfg["text"]["offload_encoders"]:
+    if cfg.text.offload_encoders:
         out.append(f"train.text_encoder_lr={lr} with text.offload_encoders=true: the train node trains the text "
                    "encoders, so it must load them; drop one of the two")
     return out
@@ -60,21 +63,21 @@ def peft_config(module) -> dict:
     return {**config, "base_model_name_or_path": None}
 
 
-def add_lora(adapter, pipe, tc: dict) -> dict:
+def add_lora(adapter, pipe, tc: TrainConfig) -> dict:
     """peft LoRA layers (fp32) on each trained text encoder of `pipe` (the pipeline the live path loaded),
     with the denoiser's rank, alpha and rslora; returns {"<component>.<name>": parameter}. Called
     after the denoiser's LoRA is made, so that one is initialised as in a run without this setting."""
     from peft import LoraConfig
 
-    alpha = tc["alpha"] if tc["alpha"] is not None else tc["rank"]
+    alpha = tc.alpha if tc.alpha is not None else tc.rank
     named = {}
     for component in adapter.text_encoder_lora_modules:
         encoder = getattr(pipe, component)
         encoder.requires_grad_(False)
-        encoder.add_adapter(LoraConfig(r=tc["rank"], lora_alpha=alpha, init_lora_weights="gaussian",
+        encoder.add_adapter(LoraConfig(r=tc.rank, lora_alpha=alpha, init_lora_weights="gaussian",
                                        target_modules=list(adapter.text_encoder_lora_targets),
-                                       use_rslora=bool(tc.get("rslora"))))  # (DoRA refused: see errors)
-        if tc["gradient_checkpointing"]:
+                                       use_rslora=bool(tc.rslora)))  # (DoRA refused: see errors)
+        if tc.gradient_checkpointing:
             encoder.gradient_checkpointing_enable()
         encoder.train()
         for name, p in encoder.named_parameters():
@@ -84,7 +87,7 @@ def add_lora(adapter, pipe, tc: dict) -> dict:
     return named
 
 
-def add_to_training(adapter, pipe, tc: dict, named: dict) -> tuple[dict, list]:
+def add_to_training(adapter, pipe, tc: TrainConfig, named: dict) -> tuple[dict, list]:
     """(every trained parameter by name, the optimizer's parameters): with `pipe` (the encoders to train),
     their LoRA's parameters join the denoiser's (checkpoints, EMA, clipping and the gradient exchange cover
     both) and form an optimizer group of their own at train.text_encoder_lr; without, as always."""
@@ -92,7 +95,7 @@ def add_to_training(adapter, pipe, tc: dict, named: dict) -> tuple[dict, list]:
         return named, list(named.values())
     encoders = add_lora(adapter, pipe, tc)
     return {**named, **encoders}, [{"params": list(named.values())},
-                                   {"params": list(encoders.values()), "lr": tc["text_encoder_lr"]}]
+                                   {"params": list(encoders.values()), "lr": tc.text_encoder_lr}]
 
 
 def writer(adapter, denoiser, pipe):
