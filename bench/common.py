@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-# A mid-sized Flux: the same builder as `model=tiny_flux` (tasks/models/tiny/flux.py:build_tiny_flux), wider and
+# A mid-sized Flux: the same builder as `model=tiny_flux` (tasks/models/tiny/tiny_flux.py:build_tiny_flux), wider and
 # deeper, so that compute dominates each item and step (the 70k-parameter demo model is all overhead).
 #   transformer: 2 double + 2 single blocks, 4 heads x 64 = 256 wide, 16 latent channels  (~7.5 M params)
 #   VAE encoder: channels 64-128-128-128 (~1.9 M params, ~0.2 s per 256 px image on 2 cores)

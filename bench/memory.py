@@ -98,7 +98,7 @@ def preflight(folder: Path, resolution: int, text_len: int, fp8: bool, ckpt: boo
                      "train": {"rank": rank, "batch_size": 1, "optimizer": optimizer, "mixed_precision": "bf16",
                                "gradient_checkpointing": ckpt}})
     return estimate(cfg, folder, "transformer", FluxAdapter.LORA_TARGETS, (resolution, resolution),
-                    text_len, FluxTransformer2DModel)
+                    text_len, FluxTransformer2DModel, geometry=FluxAdapter.activation_geometry)
 
 
 def row(name: str, resolution: int, text_len: int, fp8: bool, ckpt: bool, modulation: bool, rank: int,

@@ -111,7 +111,7 @@ def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 5
     size, frames = geometry(model, resolution)
     cfg = train_config(parse(options), text_len, rank, frames)
     return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg.train, adapter),
-                    size, text_len, cls, adapter.swap_blocks)
+                    size, text_len, cls, adapter.swap_blocks, geometry=adapter.activation_geometry)
 
 
 def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
@@ -179,7 +179,7 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
     def total(options):
         cfg = train_config(parse(options), text_len, rank, frames)
         return estimate(cfg, head, "transformer", lora_targets(cfg.train, adapter), size,
-                        text_len, cls, adapter.swap_blocks)["total_gb"]
+                        text_len, cls, adapter.swap_blocks, geometry=adapter.activation_geometry)["total_gb"]
 
     n_blocks = len(block_order(header_shapes(head / "transformer"), adapter.swap_blocks))
     for options in [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:

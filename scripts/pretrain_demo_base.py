@@ -34,7 +34,7 @@ from diffusers import FluxPipeline  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tasks.demo import world  # noqa: E402
-from tasks.models.tiny.flux import build_tiny_flux  # noqa: E402
+from tasks.models.tiny.tiny_flux import build_tiny_flux  # noqa: E402
 
 SEED = 0
 # One thread: the same bytes on any machine, and on a shared CPU two OpenMP threads wait on each other

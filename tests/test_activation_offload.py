@@ -98,7 +98,7 @@ def test_preflight_moves_the_block_inputs_to_the_host(tmp_path):
 
     def est(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, adapter.default_lora_targets(), (1024, 1024),
-                        512, adapter.denoiser_cls, adapter.swap_blocks)
+                        512, adapter.denoiser_cls, adapter.swap_blocks, geometry=adapter.activation_geometry)
     plain = est(cfg)
     off = est(updated(cfg, {"train.gradient_checkpointing_offload": True}))
     config = adapter.load_denoiser().config

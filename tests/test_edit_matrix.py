@@ -164,7 +164,7 @@ def test_pipeline_option_in_model_index_edited(workspace, tmp_path):
     # an edit re-renders every sample, and nothing else.
     import json
 
-    from tasks.models.tiny.unet import build_tiny_sdxl
+    from tasks.models.tiny.tiny_unet import build_tiny_sdxl
 
     model = build_tiny_sdxl(tmp_path / "sdxl")
     workspace.run("model=tiny_sdxl", f"model.path={model}")

@@ -26,15 +26,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tasks.training.export import kohya_metadata, save_kohya, to_kohya
-from tasks.models.tiny.flux import build_tiny_flux, build_tiny_flux_kontext
-from tasks.models.tiny.sd3 import build_tiny_sd3
-from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl
+from tasks.models.tiny.tiny_flux import build_tiny_flux, build_tiny_flux_kontext
+from tasks.models.tiny.tiny_sd3 import build_tiny_sd3
+from tasks.models.tiny.tiny_unet import build_tiny_sd15, build_tiny_sdxl
 from tasks.models.flux2_dev import Flux2DevAdapter
 from tasks.models.flux2_klein import Flux2KleinAdapter
-from tasks.models.tiny.flux2_dev import build_tiny_flux2_dev
-from tasks.models.tiny.flux2 import build_tiny_flux2
-from tasks.models.tiny.qwenimage import build_tiny_qwenimage
-from tasks.models.tiny.zimage import build_tiny_zimage
+from tasks.models.tiny.tiny_flux2_dev import build_tiny_flux2_dev
+from tasks.models.tiny.tiny_flux2 import build_tiny_flux2
+from tasks.models.tiny.tiny_qwenimage import build_tiny_qwenimage
+from tasks.models.tiny.tiny_zimage import build_tiny_zimage
 from tasks.models.zimage import ZImageAdapter
 from tolerance import assert_close, render_sums, rounding
 from support import ALPHA, RANK, load_pipeline, pipeline_denoiser, render_64, render_peft_reference, trained_lora  # noqa: F401 (shared helpers, tests/support.py)

@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] (tasks/models/flux2_dev.py) on the tiny model (tasks/models/tiny/flux2_dev.py): the cached text
+"""FLUX.2 [dev] (tasks/models/flux2_dev.py) on the tiny model (tasks/models/tiny/tiny_flux2_dev.py): the cached text
 is Flux2Pipeline.encode_prompt's bytes, sampling from the cache is the pipeline from strings, training feeds
 the guidance embedding, and the whole DAG runs through the CLI with both LoRA files loading into Flux2Pipeline."""
 from __future__ import annotations

@@ -11,7 +11,7 @@ from peft import LoraConfig  # noqa: E402
 
 from tasks.config_schema import TrainConfig
 from tasks.models.flux import FluxAdapter  # noqa: E402
-from tasks.models.tiny.flux import build_tiny_flux  # noqa: E402
+from tasks.models.tiny.tiny_flux import build_tiny_flux  # noqa: E402
 from support import a_plan  # noqa: E402
 
 

@@ -28,7 +28,7 @@ def _estimate_for(folder):
 
     def estimate_for(c):
         return estimate(c, folder, "transformer", FluxAdapter.LORA_TARGETS, (1024, 1024), 512,
-                        FluxTransformer2DModel, FluxAdapter.swap_blocks)
+                        FluxTransformer2DModel, FluxAdapter.swap_blocks, geometry=FluxAdapter.activation_geometry)
     return estimate_for
 
 

@@ -24,7 +24,7 @@ import torch
 from tasks.config_schema import TrainConfig
 from tasks.data.clips import Video
 from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
-from tasks.models.tiny.hunyuan_video15 import build_tiny_hunyuan_video15
+from tasks.models.tiny.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Qwen2.5-VL tokens (tiny_hunyuan_video15.yaml's max_sequence_length); ByT5: min(256, L)

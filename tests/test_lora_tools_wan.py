@@ -14,7 +14,7 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
 from tasks.lora_tools.models import pipeline_family
-from tasks.models.tiny.wan import build_tiny_wan, build_tiny_wan22
+from tasks.models.tiny.tiny_wan import build_tiny_wan, build_tiny_wan22
 from tasks.models.wan import WanAdapter
 from tasks.training.export import kohya_metadata, save_kohya
 from lora_fixtures import factors_and_deltas, random_lora
@@ -111,7 +111,7 @@ def test_ltx2_files_round_trip_and_merge_into_the_base(tmp_path):
     from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
 
     from tasks.models.ltx2 import LTX2Adapter
-    from tasks.models.tiny.ltx2 import build_tiny_ltx2
+    from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2
 
     model = build_tiny_ltx2(tmp_path / "ltx2")
     den = LTX2VideoTransformer3DModel.from_pretrained(model, subfolder="transformer")

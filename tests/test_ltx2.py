@@ -20,7 +20,7 @@ from tasks.config_schema import TrainConfig
 from tasks.config import ConfigError
 from tasks.data.clips import Video
 from tasks.models.ltx2 import LTX2Adapter
-from tasks.models.tiny.ltx2 import build_tiny_ltx2
+from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2
 
 REPO = Path(__file__).resolve().parents[1]
 L = 32  # Gemma tokens (tiny_ltx2.yaml's max_sequence_length)

@@ -8,10 +8,12 @@ import struct
 import pytest
 import torch
 
-from tasks.config_schema import ModelConfig
 from tasks.config import ConfigError, config_of, updated
+from tasks.config_schema import ModelConfig
 from tasks.training.memory import GB, estimate, fitting_settings
 from tasks.models import make_adapter, resolve_model
+from tasks.models.flux import FluxAdapter
+from tasks.models.qwenimage import QwenImageAdapter
 from tasks.store import Store
 from tasks.training.train_setup import prepare_denoiser
 
@@ -58,7 +60,7 @@ def test_zimage_turbo_at_1024(tmp_path):
 
     folder = _headers(ZImageTransformer2DModel, ZIMAGE_TURBO, tmp_path)
     est = estimate(_cfg(), folder, "transformer", ZImageAdapter.LORA_TARGETS, (1024, 1024), 512,
-                   ZImageTransformer2DModel)
+                   ZImageTransformer2DModel, geometry=ZImageAdapter.activation_geometry)
     assert 6.1e9 < est["params"] < 6.2e9 and 11 < est["weights_gb"] < 12  # Z-Image: 6.15 B parameters
     # rank 16 on q/k/v/out and w1/w2/w3 of 30 layers + 4 refiner layers
     assert est["lora_params"] == 34 * 16 * (4 * 2 * 3840 + 3 * (3840 + 10240))
@@ -69,7 +71,8 @@ def test_qwenimage_at_1024(tmp_path):
     from diffusers import QwenImageTransformer2DModel
 
     folder = _headers(QwenImageTransformer2DModel, {}, tmp_path)  # Qwen/Qwen-Image's config: the class defaults
-    est = estimate(_cfg(), folder, "transformer", TARGETS, (1024, 1024), 512, QwenImageTransformer2DModel)
+    est = estimate(_cfg(), folder, "transformer", TARGETS, (1024, 1024), 512, QwenImageTransformer2DModel,
+                   geometry=QwenImageAdapter.activation_geometry)
     assert 20.3e9 < est["params"] < 20.5e9 and 37 < est["weights_gb"] < 39  # Qwen-Image: 20.4 B parameters
     assert est["lora_params"] == 60 * 4 * 16 * (2 * 3072)  # rank 16 on to_q/k/v/out of 60 blocks, width 3072
 
@@ -83,7 +86,7 @@ def test_flux2_dev_at_1024(tmp_path):
     # 6144, in 128 = 32 VAE channels x 2x2, joint 15360 = 3 x Mistral's 5120, guidance embedding)
     folder = _headers(Flux2Transformer2DModel, {}, tmp_path)
     est = estimate(_cfg(), folder, "transformer", Flux2DevAdapter.LORA_TARGETS, (1024, 1024), 512,
-                   Flux2Transformer2DModel)
+                   Flux2Transformer2DModel, geometry=Flux2DevAdapter.activation_geometry)
     assert 32.1e9 < est["params"] < 32.3e9 and 59 < est["weights_gb"] < 61  # FLUX.2 [dev]: 32.2 B parameters
     # rank 16 on every block projection, r x (in + out) in units of the width D: a double block 38 D (eight
     # D->D attention projections: 16 D; each stream's MLP D->6D and 3D->D: 11 D), a single block 15 D (the
@@ -102,7 +105,7 @@ def _est(folder, cfg):
     from diffusers import FluxTransformer2DModel
 
     return estimate(cfg, folder, "transformer", TARGETS, (1024, 1024), cfg.model.max_sequence_length,
-                    FluxTransformer2DModel)
+                    FluxTransformer2DModel, geometry=FluxAdapter.activation_geometry)
 
 
 def test_flux_dev_at_1024(flux_dev_headers):
@@ -127,7 +130,8 @@ def test_flux_dev_quantized_and_swapped(flux_dev_headers):
     lists = ("transformer_blocks", "single_transformer_blocks")
 
     def est(cfg):
-        return estimate(cfg, flux_dev_headers, "transformer", TARGETS, (1024, 1024), 512, FluxTransformer2DModel, lists)
+        return estimate(cfg, flux_dev_headers, "transformer", TARGETS, (1024, 1024), 512, FluxTransformer2DModel, lists,
+                        geometry=FluxAdapter.activation_geometry)
 
     ckpt = _cfg(gradient_checkpointing=True)
     with_model = lambda **m: updated(ckpt, {f"model.{k}": v for k, v in m.items()})  # noqa: E731
@@ -167,14 +171,16 @@ def test_estimated_weights_are_what_the_train_node_holds(family, modulation, tmp
     """The estimate's weight bytes equal those the denoiser the train node prepares holds (fp8 base; its
     parameters and saved buffers, LoRA left out), for transformers with AdaLN and a UNet with convolutions
     and group norms."""
-    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32, storage_dtype="float8_e4m3fn", storage_modulation=modulation)
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32,
+                        storage_dtype="float8_e4m3fn", storage_modulation=modulation)
     adapter = make_adapter(model, resolve_model(model, Store(tmp_path)))
-    cfg = config_of({"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None, "gradient_checkpointing": False,
-                                     "batch_size": 1, "optimizer": "adamw", "mixed_precision": "bf16"}})
+    cfg = config_of({"model": model, "train": {"rank": 4, "alpha": None, "target_modules": None,
+                                               "gradient_checkpointing": False, "batch_size": 1, "optimizer": "adamw",
+                                               "mixed_precision": "bf16"}})
     denoiser, lora = prepare_denoiser(adapter, cfg)
     held = sum(t.numel() * t.element_size() for n, t in denoiser.state_dict().items() if "lora_" not in n)
     est = estimate(cfg, adapter.model_dir, adapter.denoiser_subfolder, adapter.default_lora_targets(), (64, 64), 32,
-                   adapter.denoiser_cls)
+                   adapter.denoiser_cls, geometry=adapter.activation_geometry)
     assert est["weights_gb"] * GB == held
     assert est["lora_params"] == sum(p.numel() for p in lora.values())
 

@@ -18,7 +18,7 @@ PROMPTS = [{"line": 1, "prompt": "a", "negative": None, "width": None, "height":
 
 
 def _keys(tmp_path):
-    from tasks.models.tiny.flux import build_tiny_flux
+    from tasks.models.tiny.tiny_flux import build_tiny_flux
 
     model = tmp_path / "m"
     if not (model / "model_index.json").is_file():

@@ -14,7 +14,7 @@ from peft import LoraConfig  # noqa: E402
 
 from tasks.config_schema import TrainConfig
 from tasks.models.sd3 import SD3Adapter  # noqa: E402
-from tasks.models.tiny.sd3 import build_tiny_sd3  # noqa: E402
+from tasks.models.tiny.tiny_sd3 import build_tiny_sd3  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
 from tolerance import assert_close, sums
 

@@ -16,7 +16,7 @@ from diffusers.loaders.single_file_utils import infer_diffusers_model_type  # no
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tasks.config_schema import ModelConfig
-from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.tiny_unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from ldm_convert import to_ldm_sd15, to_ldm_sdxl  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"

@@ -16,12 +16,12 @@ from diffusers.utils import convert_state_dict_to_diffusers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from tasks.models.tiny.flux2 import build_tiny_flux2  # noqa: E402
-from tasks.models.tiny.flux2_dev import build_tiny_flux2_dev  # noqa: E402
-from tasks.models.tiny.qwenimage import build_tiny_qwenimage  # noqa: E402
-from tasks.models.tiny.sd3 import build_tiny_sd3  # noqa: E402
-from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
-from tasks.models.tiny.zimage import build_tiny_zimage  # noqa: E402
+from tasks.models.tiny.tiny_flux2 import build_tiny_flux2  # noqa: E402
+from tasks.models.tiny.tiny_flux2_dev import build_tiny_flux2_dev  # noqa: E402
+from tasks.models.tiny.tiny_qwenimage import build_tiny_qwenimage  # noqa: E402
+from tasks.models.tiny.tiny_sd3 import build_tiny_sd3  # noqa: E402
+from tasks.models.tiny.tiny_unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.tiny_zimage import build_tiny_zimage  # noqa: E402
 
 PROMPT = "a photo of a red circle on a blue background"
 BASE_KWARGS = dict(height=64, width=64, num_inference_steps=2, output_type="pil")

@@ -13,7 +13,7 @@ from diffusers import FluxPipeline  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from tasks.models.tiny.flux import build_tiny_flux  # noqa: E402
+from tasks.models.tiny.tiny_flux import build_tiny_flux  # noqa: E402
 
 GEN_KWARGS = dict(height=64, width=64, num_inference_steps=2, max_sequence_length=32, output_type="pil")
 PROMPT = "a photo of a red circle on a blue background"

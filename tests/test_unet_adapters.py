@@ -17,7 +17,7 @@ from peft.utils import get_peft_model_state_dict  # noqa: E402
 from tasks.config_schema import TrainConfig
 from tasks.models.sd15 import SD15Adapter  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
-from tasks.models.tiny.unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.tiny_unet import build_tiny_sd15, build_tiny_sdxl  # noqa: E402
 from tasks.train import item_generators  # noqa: E402
 from tolerance import assert_close, sums
 

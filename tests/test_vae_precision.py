@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from tasks import cache_latents, validate  # noqa: E402
 from tasks.config import ConfigError, compose, resolve_paths  # noqa: E402
 from tasks.models.sdxl import SDXLAdapter  # noqa: E402
-from tasks.models.tiny.unet import build_tiny_sdxl  # noqa: E402
+from tasks.models.tiny.tiny_unet import build_tiny_sdxl  # noqa: E402
 from tasks.store import Store  # noqa: E402
 from tolerance import assert_close
 from support import a_plan

@@ -251,7 +251,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     from test_comfyui_keys import REL
     from support import comfyui_merge
 
-    from tasks.models.tiny.wan import build_tiny_wan
+    from tasks.models.tiny.tiny_wan import build_tiny_wan
     from tasks.models.wan import WanAdapter
     from tasks.training.export import to_kohya
     from tasks.training.export_comfyui import comfyui_loads_kohya

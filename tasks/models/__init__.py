@@ -20,22 +20,22 @@ SINGLE_FILE_VERSION = "1"
 
 # family -> (adapter class, tiny builder), as "module:name" so a family's heavy imports load only when used.
 FAMILIES = {
-    "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny.flux:build_tiny_flux"),
-    "flux_kontext": ("tasks.models.flux_kontext:FluxKontextAdapter", "tasks.models.tiny.flux:build_tiny_flux_kontext"),
-    "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny.sd3:build_tiny_sd3"),
-    "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny.unet:build_tiny_sdxl"),
-    "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny.unet:build_tiny_sd15"),
-    "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny.zimage:build_tiny_zimage"),
-    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny.qwenimage:build_tiny_qwenimage"),
+    "flux": ("tasks.models.flux:FluxAdapter", "tasks.models.tiny.tiny_flux:build_tiny_flux"),
+    "flux_kontext": ("tasks.models.flux_kontext:FluxKontextAdapter", "tasks.models.tiny.tiny_flux:build_tiny_flux_kontext"),
+    "sd3": ("tasks.models.sd3:SD3Adapter", "tasks.models.tiny.tiny_sd3:build_tiny_sd3"),
+    "sdxl": ("tasks.models.sdxl:SDXLAdapter", "tasks.models.tiny.tiny_unet:build_tiny_sdxl"),
+    "sd15": ("tasks.models.sd15:SD15Adapter", "tasks.models.tiny.tiny_unet:build_tiny_sd15"),
+    "zimage": ("tasks.models.zimage:ZImageAdapter", "tasks.models.tiny.tiny_zimage:build_tiny_zimage"),
+    "qwenimage": ("tasks.models.qwenimage:QwenImageAdapter", "tasks.models.tiny.tiny_qwenimage:build_tiny_qwenimage"),
     "qwenimage_edit": ("tasks.models.qwenimage_edit:QwenImageEditAdapter",
-                       "tasks.models.tiny.qwenimage_edit:build_tiny_qwenimage_edit"),
-    "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny.flux2:build_tiny_flux2"),
-    "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny.flux2_dev:build_tiny_flux2_dev"),
-    "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny.wan:build_tiny_wan"),
-    "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny.wan:build_tiny_wan22"),
-    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.ltx2:build_tiny_ltx2"),
+                       "tasks.models.tiny.tiny_qwenimage_edit:build_tiny_qwenimage_edit"),
+    "flux2_klein": ("tasks.models.flux2_klein:Flux2KleinAdapter", "tasks.models.tiny.tiny_flux2:build_tiny_flux2"),
+    "flux2_dev": ("tasks.models.flux2_dev:Flux2DevAdapter", "tasks.models.tiny.tiny_flux2_dev:build_tiny_flux2_dev"),
+    "wan": ("tasks.models.wan:WanAdapter", "tasks.models.tiny.tiny_wan:build_tiny_wan"),
+    "wan22": ("tasks.models.wan22:Wan22Adapter", "tasks.models.tiny.tiny_wan:build_tiny_wan22"),
+    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.tiny_ltx2:build_tiny_ltx2"),
     "hunyuan_video15": ("tasks.models.hunyuan_video15:HunyuanVideo15Adapter",
-                        "tasks.models.tiny.hunyuan_video15:build_tiny_hunyuan_video15"),
+                        "tasks.models.tiny.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
 }
 
 

@@ -35,9 +35,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import BLOCK, Clips, KohyaLayout, load_lora_file, on_pipeline_device
@@ -46,6 +43,7 @@ from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, 
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
+np, Image = lazy("numpy"), lazy("PIL.Image")  # decoding a video only; a no-op run imports this module
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
@@ -79,6 +77,17 @@ class HunyuanVideo15Adapter(TransformerAdapter):
                     r"|to_add_out)|.*transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)")
 
     # -- latents ---------------------------------------------------------------------------------
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """1x1x1 patches of (1 + (F - 1) / 4) latent frames, /16 in space, joined in every block by the Qwen
+        caption, the ByT5 window (min(256, its length)) and the 729 image tokens the t2v pipeline masks out."""
+        w, h = size
+        latent_frames = 1 + (frames - 1) // 4
+        p = config["patch_size"]
+        tokens = (latent_frames // config["patch_size_t"]) * (h // (16 * p)) * (w // (16 * p))
+        tokens += text_tokens + min(256, text_tokens) + _VISION_TOKENS
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+
     def load_vae(self):
         return diffusers.AutoencoderKLHunyuanVideo15.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype,
                                                                      **_SAFE).to(self.device).eval()

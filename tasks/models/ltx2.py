@@ -43,9 +43,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import numpy as np
-from PIL import Image
-
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Clips, KohyaLayout, on_pipeline_device
@@ -53,6 +50,7 @@ from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, 
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
+np, Image = lazy("numpy"), lazy("PIL.Image")  # decoding a video only; a no-op run imports this module
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
@@ -105,6 +103,17 @@ class LTX2Adapter(TransformerAdapter):
                     r"|.*transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)")
 
     # -- latents ---------------------------------------------------------------------------------
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """1x1x1 patches of (1 + (F - 1) / 8) latent frames, /32 in space; the caption is cross-attention's keys
+        (the audio stream: one token when training video only)."""
+        w, h = size
+        st, sh, sw = config.get("vae_scale_factors", (8, 32, 32))
+        latent_frames = 1 + (frames - 1) // st
+        p = config["patch_size"]
+        tokens = (latent_frames // config["patch_size_t"]) * (h // (sh * p)) * (w // (sw * p))
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+
     def load_vae(self):
         return diffusers.AutoencoderKLLTX2Video.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype,
                                                                 **_SAFE).to(self.device).eval()

@@ -9,9 +9,6 @@ A still image trains as a one-frame video (the VAE's first frame is encoded alon
 Wan 2.2 (two experts split at the pipeline's boundary_ratio) is tasks/models/wan22.py."""
 from __future__ import annotations
 
-import numpy as np
-from PIL import Image
-
 from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Clips, KohyaLayout
@@ -19,6 +16,7 @@ from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, 
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
+np, Image = lazy("numpy"), lazy("PIL.Image")  # decoding a video only; a no-op run imports this module
 
 _SAFE = dict(use_safetensors=True)
 _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
@@ -55,6 +53,16 @@ class WanAdapter(TransformerAdapter):
     LORA_TARGETS = r".*blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|.*blocks\.\d+\.ffn\.net\.(0\.proj|2)"
 
     # -- latents ---------------------------------------------------------------------------------
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """1x2x2 patches of (1 + (F - 1) / 4) latent frames; the caption is cross-attention's keys, not in the
+        sequence."""
+        w, h = size
+        pt, ph, pw = config["patch_size"]
+        latent_frames = 1 + (frames - 1) // 4
+        tokens = (latent_frames // pt) * (h // (8 * ph)) * (w // (8 * pw))
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+
     def load_vae(self):
         return diffusers.AutoencoderKLWan.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 

@@ -37,6 +37,16 @@ class ZImageAdapter(TransformerAdapter):
     sample_parts = _SAMPLE_PARTS
 
     # -- latents ---------------------------------------------------------------------------------
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """A single-stream DiT: image and caption tokens in one sequence. The refiners run on the image
+        (noise_refiner) or the caption (context_refiner) tokens alone: counted as one full block per refiner layer
+        (an overestimate of the caption side's share)."""
+        w, h = size
+        patch = config["all_patch_size"][0]
+        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
+        return tokens, config["dim"], config["n_layers"] + config["n_refiner_layers"]
+
     def load_vae(self):
         return diffusers.AutoencoderKL.from_pretrained(self.model_dir, subfolder="vae", dtype=self.dtype, **_SAFE).to(self.device).eval()
 

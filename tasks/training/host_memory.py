@@ -127,7 +127,7 @@ def preflight(cfg: Config, adapter, size: tuple[int, int], estimate: dict, cuda:
     def estimate_for(c):
         return estimate_of(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
                            c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
-                           adapter.swap_blocks, adapter.denoisers)
+                           adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry)
 
     blocks = adapter.denoisers * len(block_order(shapes, adapter.swap_blocks))  # the experts share names
     gb, source = available or host_available_gb()

@@ -169,52 +169,11 @@ def _declared_factors(class_name: str | None) -> tuple[float, float, float] | No
     return None
 
 
-def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
-    """(tokens, width, blocks) of the denoiser at this training size (and a video's frames), from its config."""
-    w, h = size
-    if "freq_dim" in config and "text_dim" in config:  # Wan: 1x2x2 patches of (1 + (F - 1) / 4) latent frames;
-        # the caption is cross-attention's keys, not in the sequence
-        pt, ph, pw = config["patch_size"]
-        latent_frames = 1 + (frames - 1) // 4
-        tokens = (latent_frames // pt) * (h // (8 * ph)) * (w // (8 * pw))
-        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
-    if "num_single_layers" in config or "joint_attention_dim" in config:  # Flux / SD3 / Qwen-Image transformers
-        width = config["num_attention_heads"] * config["attention_head_dim"]
-        patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
-        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
-        blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-        return tokens, width, blocks
-    if "n_refiner_layers" in config:  # Z-Image's single-stream DiT: image and caption tokens in one sequence
-        patch = config["all_patch_size"][0]
-        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
-        # the refiners run on the image (noise_refiner) or the caption (context_refiner) tokens alone: counted
-        # as one full block per refiner layer (an overestimate of the caption side's share)
-        return tokens, config["dim"], config["n_layers"] + config["n_refiner_layers"]
-    if "audio_in_channels" in config:  # LTX-2: 1x1x1 patches of (1 + (F - 1) / 8) latent frames, /32 in space; the
-        # caption is cross-attention's keys (the audio stream: one token when training video only)
-        st, sh, sw = config.get("vae_scale_factors", (8, 32, 32))
-        latent_frames = 1 + (frames - 1) // st
-        p = config["patch_size"]
-        tokens = (latent_frames // config["patch_size_t"]) * (h // (sh * p)) * (w // (sw * p))
-        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
-    if "text_embed_2_dim" in config:  # HunyuanVideo 1.5: 1x1x1 patches of (1 + (F - 1) / 4) latent frames, /16 in
-        # space, joined in every block by the Qwen caption, the ByT5 window (min(256, its length)) and the 729 image
-        # tokens the t2v pipeline masks out (tasks/models/hunyuan_video15.py)
-        latent_frames = 1 + (frames - 1) // 4
-        p = config["patch_size"]
-        tokens = (latent_frames // config["patch_size_t"]) * (h // (16 * p)) * (w // (16 * p))
-        tokens += text_tokens + min(256, text_tokens) + 729
-        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
-    # UNet: the first level dominates (most tokens); count every resnet/attention block at its width.
-    channels = config["block_out_channels"]
-    tokens = (h // 8) * (w // 8)
-    blocks = len(channels) * config.get("layers_per_block", 2) * 2
-    return tokens, channels[0], blocks
-
-
 def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
-             text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = (), copies: int = 1) -> dict:
-    """`copies`: how many denoisers of this shape training holds (Wan 2.2's two experts under one LoRA): their
+             text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = (), copies: int = 1, *,
+             geometry) -> dict:
+    """`geometry`: the family's activation_geometry (tasks/models/bases/adapter.py).
+    `copies`: how many denoisers of this shape training holds (Wan 2.2's two experts under one LoRA): their
     weights count each, the LoRA and the activations once (one expert runs an item); train.blocks_to_swap takes
     the last copy's blocks first (wan22_experts.TwoExperts.blocks)."""
     tc, mc = cfg.train, cfg.model
@@ -247,7 +206,7 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc.optimizer, 8)
     ema_bytes = 4 if tc.ema_decay is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
-    tokens, width, blocks = activation_geometry(config, size, text_tokens, cfg.data.frames)
+    tokens, width, blocks = geometry(config, size, text_tokens, cfg.data.frames)
     act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else _BYTES[mc.dtype]
     unit = tokens * width * act_dtype * tc.batch_size
     per_block, ckpt_input, recompute = activation_factors(config)
@@ -374,7 +333,7 @@ def preflight(cfg: Config, adapter, size: tuple[int, int]) -> dict:
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
                         c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
-                        adapter.swap_blocks, adapter.denoisers)
+                        adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry)
 
     est = estimate_for(cfg)
     limit = cfg.train.memory_limit_gb

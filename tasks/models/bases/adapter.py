@@ -100,6 +100,12 @@ class FamilyAdapter(ABC):
     # Training/sample sizes must be multiples of this (VAE factor x patching).
     size_multiple: int
 
+    @staticmethod
+    @abstractmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """(tokens, width, blocks) of the denoiser, from its config.json, at this training size (and a clip's
+        frames): what the preflight estimate (tasks/training/memory.py) scales the saved activations by."""
+
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_sequence_length: int = 77):
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype={dtype}: one of float32, bfloat16, float16")

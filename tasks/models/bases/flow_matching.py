@@ -75,6 +75,16 @@ class TransformerAdapter(FamilyAdapter):
     # peft target_modules: one regex matched against whole module paths, or names matched by suffix
     LORA_TARGETS: str | tuple[str, ...]
 
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """Joint attention over the image's patches and the caption's tokens in every block (Flux, SD3,
+        Qwen-Image, FLUX.2): patches of patch_size latents, 2x2 packed where the model has single blocks."""
+        w, h = size
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        patch = config.get("patch_size", 1) * (2 if "num_single_layers" in config else 1)
+        tokens = (h // (8 * patch)) * (w // (8 * patch)) + text_tokens
+        return tokens, width, config.get("num_layers", 0) + config.get("num_single_layers", 0)
+
     def default_lora_targets(self):
         return self.LORA_TARGETS if isinstance(self.LORA_TARGETS, str) else list(self.LORA_TARGETS)
 

@@ -38,6 +38,13 @@ class UNetAdapter(FamilyAdapter):
     size_multiple = VAE_SCALE  # no patching
 
     # -- latents ---------------------------------------------------------------------------------
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        """The first level dominates (most tokens): every resnet/attention block counted at its width."""
+        w, h = size
+        channels = config["block_out_channels"]
+        return (h // 8) * (w // 8), channels[0], len(channels) * config.get("layers_per_block", 2) * 2
+
     def _vae_config(self) -> dict:
         return json.loads((self.model_dir / "vae" / "config.json").read_text())
 

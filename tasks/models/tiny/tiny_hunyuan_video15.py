@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.qwenimage import qwen25vl_tokenizer
+from tasks.models.tiny.tiny_qwenimage import qwen25vl_tokenizer
 
 HV15_ARCH: dict = {
     # HunyuanVideo15Transformer3DModel: inner dim = heads x head dim; rope_axes_dim sums to the head dim;

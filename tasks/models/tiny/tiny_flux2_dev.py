@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tasks.models.tiny.common import corpus, learn_bpe
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.flux2 import FLUX2_ARCH, flux2_image_parts
+from tasks.models.tiny.tiny_flux2 import FLUX2_ARCH, flux2_image_parts
 
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",

@@ -1,5 +1,5 @@
 """A tiny, deterministic FLUX.2 [klein] pipeline (Qwen3 text encoder) built offline from real diffusers/transformers
-classes; its image parts are FLUX.2 [dev]'s too (flux2_dev.py). Conventions: tasks/models/tiny/common.py."""
+classes; its image parts are FLUX.2 [dev]'s too (tiny_flux2_dev.py). Conventions: tasks/models/tiny/common.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from transformers import Qwen3Config
 
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.zimage import qwen_tokenizer
+from tasks.models.tiny.tiny_zimage import qwen_tokenizer
 
 
 FLUX2_ARCH: dict = {

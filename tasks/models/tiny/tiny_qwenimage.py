@@ -1,5 +1,5 @@
 """A tiny, deterministic Qwen-Image pipeline (Qwen2.5-VL text encoder) built offline from real diffusers/transformers
-classes (conventions: tasks/models/tiny/common.py); its parts are Qwen-Image-Edit's too (qwenimage_edit.py)."""
+classes (conventions: tasks/models/tiny/common.py); its parts are Qwen-Image-Edit's too (tiny_qwenimage_edit.py)."""
 from __future__ import annotations
 
 from collections import Counter

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.qwenimage import QWENIMAGE_ARCH, qwen25vl_tokenizer, qwenimage_parts
+from tasks.models.tiny.tiny_qwenimage import QWENIMAGE_ARCH, qwen25vl_tokenizer, qwenimage_parts
 
 # QwenImageEditPlusPipeline.prompt_template_encode's system text: the pipeline drops the template's first 64
 # tokens (prompt_template_encode_start_idx), counted with the real tokenizer; the tiny one learns this text
