@@ -18,18 +18,6 @@ from tasks.training.export import kohya_rows, layout, to_kohya
 
 torch = lazy("torch")
 
-# Constructor arguments that widen a class's defaults to every released variant's block structure. Unlisted
-# families: the defaults are the largest model (FLUX.1, FLUX.2 [dev], Z-Image, Qwen-Image; SD1.5's UNet).
-_WIDEST = {
-    "sdxl": dict(down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                 block_out_channels=(320, 640, 1280), transformer_layers_per_block=(1, 2, 10),
-                 attention_head_dim=(5, 10, 20), use_linear_projection=True, cross_attention_dim=2048,
-                 addition_embed_type="text_time", addition_time_embed_dim=256,
-                 projection_class_embeddings_input_dim=2816),
-    # SD3.5 Large has 38 blocks, SD3.5 Medium a second attention (attn2) in some: every block gets one here
-    "sd3": dict(num_layers=38, dual_attention_layers=tuple(range(38))),
-}
 
 
 def denoiser_component(family: str) -> str:
@@ -60,7 +48,7 @@ def _linear_shapes(family: str | None, config_json: str | None) -> dict[str, tup
         raise LoraToolError(f"the model's config.json names no diffusers model class ({config.get('_class_name')!r})")
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")  # diffusers' notes on config keys it does not use
-        model = cls.from_config(config) if config else cls(**_WIDEST.get(family, {}))
+        model = cls.from_config(config) if config else cls(**adapter_class(family).widest_arch)
     return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 

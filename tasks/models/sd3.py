@@ -35,6 +35,8 @@ class SD3Adapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     family = "sd3"
     original_layout = "sd3"  # loraflow-lora merge --into-base --layout original
+    # SD3.5 Large has 38 blocks, SD3.5 Medium a second attention (attn2) in some: every block gets one here
+    widest_arch = dict(num_layers=38, dual_attention_layers=tuple(range(38)))
     kohya = KohyaLayout("networks.lora_sd3", "sd3", rules=KOHYA_RULES)
     pipeline_cls = LazyClass("diffusers", "StableDiffusion3Pipeline")
     denoiser_cls = LazyClass("diffusers", "SD3Transformer2DModel")

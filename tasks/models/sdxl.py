@@ -19,6 +19,12 @@ class SDXLAdapter(UNetAdapter):
     embed_names = ("prompt_embeds", "pooled_prompt_embeds")
     size_conditioning = True
     latent_version = "2"  # 2: latents stored with their original size and crop offsets
+    widest_arch = dict(down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                       up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                       block_out_channels=(320, 640, 1280), transformer_layers_per_block=(1, 2, 10),
+                       attention_head_dim=(5, 10, 20), use_linear_projection=True, cross_attention_dim=2048,
+                       addition_embed_type="text_time", addition_time_embed_dim=256,
+                       projection_class_embeddings_input_dim=2816)
 
     def _encode(self, pipe, texts):
         embeds, _, pooled, _ = pipe.encode_prompt(prompt=texts, device=self.device, num_images_per_prompt=1,

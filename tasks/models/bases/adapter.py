@@ -118,6 +118,10 @@ class FamilyAdapter(ABC):
     # (tasks/lora_tools/transformer_layouts.py, ldm.py): "ldm" (SD1.x/SDXL's UNet), "flux", "flux2", "sd3",
     # "zimage", "diffusers" (Qwen-Image's files use diffusers' names); None: not written (use --layout diffusers)
     original_layout: str | None = None
+    # Constructor arguments that widen the denoiser class's defaults to every released variant's block structure,
+    # so loraflow-lora maps a LoRA of any variant without its config.json (tasks/lora_tools/names.py); {}: the
+    # defaults are already the largest model (FLUX.1, FLUX.2 [dev], Z-Image, Qwen-Image; SD1.5's UNet)
+    widest_arch: dict = {}
     # The preflight's activation constants (per block, per checkpointed block, one recompute; saved values per token
     # x width), where measured on the family itself (tasks/training/memory.py); None: FLUX.1's
     activation_factors: tuple[float, float, float] | None = None
