@@ -116,3 +116,50 @@ def baseline(prefect_api, tmp_path_factory) -> Workspace:
 @pytest.fixture
 def workspace(baseline, tmp_path) -> Workspace:
     return baseline.copy_to(tmp_path / "ws")
+
+
+# The LoRA-file tests' models (test_export, test_comfyui_keys, test_lora_tools*, ...)
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """family -> the tiny model's folder, built on first use, once per test module (tests/lora_fixtures.py)."""
+    from lora_fixtures import BUILDERS
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = BUILDERS[family](tmp_path_factory.mktemp(family) / "model")
+        return cache[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def tuned(model_dirs, tmp_path_factory):
+    """A copy of the tiny Flux with known rank-2 changes to some Linears: fused-group members (q, k but not v;
+    the single block's proj_mlp), a plain one, and two with no kohya name (norm_out.linear, proj_out)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base = model_dirs("flux")
+    root = tmp_path_factory.mktemp("tuned") / "model"
+    shutil.copytree(base, root)
+    file = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights, gen, changes = load_file(file), torch.Generator().manual_seed(3), {}
+    for m in ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.ff.net.2",
+              "single_transformer_blocks.0.proj_mlp", "norm_out.linear", "proj_out"):
+        w = weights[f"{m}.weight"]
+        d = 0.05 * (torch.randn(w.shape[0], 2, generator=gen, dtype=torch.float64)
+                    @ torch.randn(2, w.shape[1], generator=gen, dtype=torch.float64))
+        weights[f"{m}.weight"] = (w.double() + d).to(torch.float32)
+        changes[m] = d
+    save_file(weights, file)
+    return base, root, changes
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The config checks answer for a machine with CUDA: the docs show fp16 GPU configs (sdxl_base, sd15)."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr("torch.cuda.is_available", lambda: True)  # imports torch, so the checks ask it
+    yield
+    mp.undo()

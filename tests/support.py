@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
 from conftest import prefect_home
+from families import image_families
 from tasks.config import config_of
 from tasks.config_schema import ModelConfig, TrainConfig
 from tasks import cache_latents, cache_text, sample, train, validate
@@ -27,6 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # every page whose commands are checked
 RANK, ALPHA = 4, 8  # the hand-made LoRAs' rank and alpha (tests/test_export.py and the client tests)
 BF16 = torch.bfloat16
+SECTIONS = ("model", "data", "train", "sample", "text", "export", "store", "runner")  # the docs' setting groups
+# the wrong spellings the docs show on purpose (terminal.md: the message a misspelt key gets)
+MISSPELT_ON_PURPOSE = {"train.lrr"}
 
 
 def load_pipeline(model_dir):
@@ -177,3 +183,125 @@ def a_plan(**fields) -> Plan:
     """A Plan with the fields a test names, the others empty (a key test's plan names only what the key reads)."""
     return Plan(**{**dict(family="flux", model_dir="", ids={}, size=[64, 64], items=[], prompts=[], warnings=[],
                           augmentation={}, dataset=[], dataset_subsets=[]), **fields})
+
+
+# ---------------------------------------------------------------- the docs' commands
+PYTHONS = {".venv/bin/python", "python", "python3"}
+
+
+CONSOLE = {"loraflow", "loraflow-explain", "loraflow-lora", "prefect", "pip", "tensorboard", "accelerate"}
+
+
+PROGRAMS = PYTHONS | CONSOLE | {"make", "export"}
+
+
+@dataclass
+class Command:
+    origin: str  # file:line
+    env: dict
+    argv: list
+
+    def __str__(self):
+        return " ".join(self.argv)
+
+
+def _first_word(text: str) -> str:
+    words = [w for w in text.split() if not re.match(r"[A-Z_][A-Z0-9_]*=", w)]
+    return words[0] if words else ""
+
+
+def _is_command_block(block: Block) -> bool:
+    if block.lang in ("bash", "sh", "shell"):
+        return True
+    if block.lang:
+        return False
+    first = next((t for _, t in block.lines if t.strip() and not t.strip().startswith("#")), "")
+    return _first_word(first) in PROGRAMS
+
+
+def _without_comment(line: str) -> str:
+    """The line up to a `#` that starts a word outside quotes, as the shell reads it."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def doc_commands() -> list[Command]:
+    """Every shell command of README.md and docs/ (continuations joined, leading VAR=value as its env)."""
+    commands = []
+    for block in filter(_is_command_block, doc_blocks()):
+        file = block.origin.split(":")[0]
+        pending, start = "", None
+        for n, line in block.lines:
+            text = line.strip()
+            if not pending and (not text or text.startswith("#")):
+                continue
+            start = start or n
+            if text.endswith("\\"):
+                pending += text[:-1] + " "
+                continue
+            words = shlex.split(_without_comment(pending + text).replace("$PWD", str(REPO)))
+            env = {}
+            while words and re.match(r"[A-Z_][A-Z0-9_]*=", words[0]):
+                key, value = words.pop(0).split("=", 1)
+                env[key] = value
+            commands.append(Command(f"{file}:{start}", env, words))
+            pending, start = "", None
+    return commands
+
+
+# ---------------------------------------------------------------- stored bases (fp8, int8, nf4)
+def assert_same_step(adapter, reference, stored):
+    """Loss, input gradient and LoRA gradients of one step through `stored` (denoiser, LoRA) are the same bits
+    as through `reference`, which holds the stored weights upcast."""
+    latents, text = one_image_inputs(adapter)
+    results = []
+    for denoiser, lora in (reference, stored):
+        x = latents.clone().requires_grad_(True)
+        loss = one_step_loss(adapter, denoiser, x, text)
+        loss.backward()
+        results.append((loss.detach(), x.grad, {n: p.grad for n, p in lora.items()}))
+    (ref_loss, ref_dx, ref_grads), (loss, dx, grads) = results
+    assert torch.equal(loss, ref_loss)
+    assert dx is not None and torch.count_nonzero(dx) > 0
+    assert torch.equal(dx, ref_dx)
+    assert any(torch.count_nonzero(g) for g in grads.values())
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+
+
+def family_sweep(tmp_path, *overrides):
+    """Every family through the CLI with `overrides`, as one Hydra sweep (`-m model=...`): one process and one
+    Prefect API for all eight, instead of one start-up each. Member i trained image_families()[i]."""
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data" / "demo", data)
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in image_families()), *overrides,
+                 f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
+                 "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
+    return proc, sweep
+
+
+# ---------------------------------------------------------------- ComfyUI's key maps
+# float32 products of rank-4 factors with entries of magnitude <= ~1: the merged delta and the PEFT delta are
+# each one matmul of the same numbers (the fused file only multiplies up by alpha / rank, exactly 2.0 here), so
+# they agree to a few float32 roundings of the delta's magnitude
+REL = 8 * torch.finfo(torch.float32).eps
+
+
+def comfyui_unet_key_map(denoiser_names, ldm_names=()):
+    """comfy/lora.py model_lora_keys_unet, for a UNet: `lora_unet_<ldm name, _>`, `lora_unet_<diffusers name, _>`,
+    and diffusers-LoRA keys `[unet.]<diffusers name>` with `.to_` -> `.processor.to_` and `.to_out.0` -> `.to_out`."""
+    out = {f"lora_unet_{n.replace('.', '_')}": n for n in ldm_names}
+    for n in denoiser_names:
+        out[f"lora_unet_{n.replace('.', '_')}"] = n
+        for p in ("", "unet."):
+            d = p + n.replace(".to_", ".processor.to_")
+            out[d[:-2] if d.endswith(".to_out.0") else d] = n
+    return out

@@ -28,14 +28,9 @@ import torch
 
 from tasks.training.export import to_kohya
 from tasks.training.export_comfyui import comfyui_loads_kohya, to_comfyui
-from test_export import TARGETS, model_dirs
+from lora_fixtures import TARGETS
 from support import ALPHA, RANK, load_pipeline, pipeline_denoiser, trained_lora  # noqa: F401
-from support import comfyui_merge  # noqa: F401 (shared helpers, tests/support.py)
-
-# float32 products of rank-4 factors with entries of magnitude <= ~1: the merged delta and the PEFT delta are
-# each one matmul of the same numbers (the fused file only multiplies up by alpha / rank, exactly 2.0 here), so
-# they agree to a few float32 roundings of the delta's magnitude
-REL = 8 * torch.finfo(torch.float32).eps
+from support import REL, comfyui_merge  # noqa: F401 (shared helpers, tests/support.py)
 
 
 def _comfy_zimage_keys(linears: dict[str, torch.nn.Linear]) -> dict[str, tuple[int, int]]:
@@ -59,8 +54,6 @@ def _comfy_split(family: str, key: str, delta: torch.Tensor, linears) -> dict[st
     if family == "zimage":
         return {key.replace(".attention.out", ".attention.to_out.0"): delta}
     return {key: delta}
-
-
 
 
 def _peft_deltas(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -128,8 +121,8 @@ def test_dora_file_merges_in_comfyui_as_trained(family, model_dirs):
     """train.network=dora: the kohya (Flux: fused qkv and linear1; SD1.5: UNet names) and ComfyUI (Z-Image: fused
     qkv) files carry `dora_scale`, and ComfyUI's rule gives PEFT's weight m * (W + dW) / |W + dW| row by row."""
     from peft import LoraConfig, get_peft_model_state_dict
-    from test_export import MERGE_TABLE
-    from test_export_clients import comfyui_unet_key_map
+    from lora_fixtures import MERGE_TABLE
+    from support import comfyui_unet_key_map
 
     model_dir = model_dirs(family)
     den = pipeline_denoiser(load_pipeline(model_dir))

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import prefect_home
-from support import Block, DOCS, check_overrides, doc_blocks  # noqa: F401 (shared helpers, tests/support.py)
+from support import CONSOLE, PYTHONS, Block, Command, DOCS, check_overrides, doc_blocks, doc_commands  # noqa: F401
 
 try:
     import tomllib
@@ -48,93 +48,12 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / ".venv" / "bin"
-PYTHONS = {".venv/bin/python", "python", "python3"}
-CONSOLE = {"loraflow", "loraflow-explain", "loraflow-lora", "prefect", "pip", "tensorboard", "accelerate"}
-PROGRAMS = PYTHONS | CONSOLE | {"make", "export"}
-SECTIONS = ("model", "data", "train", "sample", "text", "export", "store", "runner")
 TRAIN_MODULES = {"flows.train": "loraflow", "flows.explain": "loraflow-explain"}
 DUMMY_ID = "00000000-0000-0000-0000-000000000000"  # `<id>`: Prefect's CLI wants a UUID there
-# the wrong spellings the docs show on purpose (terminal.md: the message a misspelt key gets)
-MISSPELT_ON_PURPOSE = {"train.lrr"}
-
-
-
-
-@dataclass
-class Command:
-    origin: str  # file:line
-    env: dict
-    argv: list
-
-    def __str__(self):
-        return " ".join(self.argv)
-
-
-
-
-def _first_word(text: str) -> str:
-    words = [w for w in text.split() if not re.match(r"[A-Z_][A-Z0-9_]*=", w)]
-    return words[0] if words else ""
-
-
-def _is_command_block(block: Block) -> bool:
-    if block.lang in ("bash", "sh", "shell"):
-        return True
-    if block.lang:
-        return False
-    first = next((t for _, t in block.lines if t.strip() and not t.strip().startswith("#")), "")
-    return _first_word(first) in PROGRAMS
-
-
-def _without_comment(line: str) -> str:
-    """The line up to a `#` that starts a word outside quotes, as the shell reads it."""
-    quote = None
-    for i, c in enumerate(line):
-        if quote:
-            quote = None if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i]
-    return line
-
-
-def _commands() -> list[Command]:
-    commands = []
-    for block in filter(_is_command_block, doc_blocks()):
-        file = block.origin.split(":")[0]
-        pending, start = "", None
-        for n, line in block.lines:
-            text = line.strip()
-            if not pending and (not text or text.startswith("#")):
-                continue
-            start = start or n
-            if text.endswith("\\"):
-                pending += text[:-1] + " "
-                continue
-            words = shlex.split(_without_comment(pending + text).replace("$PWD", str(REPO)))
-            env = {}
-            while words and re.match(r"[A-Z_][A-Z0-9_]*=", words[0]):
-                key, value = words.pop(0).split("=", 1)
-                env[key] = value
-            commands.append(Command(f"{file}:{start}", env, words))
-            pending, start = "", None
-    return commands
-
-
-COMMANDS = _commands()
+COMMANDS = doc_commands()
 
 
 # ---------------------------------------------------------------- the config
-@pytest.fixture(scope="module")
-def cuda():
-    """The config checks answer for a machine with CUDA: the docs show fp16 GPU configs (sdxl_base, sd15)."""
-    mp = pytest.MonkeyPatch()
-    mp.setattr("torch.cuda.is_available", lambda: True)  # imports torch, so the checks ask it
-    yield
-    mp.undo()
-
-
 
 
 def _check_repo_paths(words: list[str], where: str) -> None:

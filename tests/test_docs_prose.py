@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_docs_commands import MISSPELT_ON_PURPOSE, REPO, SECTIONS, cuda
+from support import MISSPELT_ON_PURPOSE, REPO, SECTIONS
 from support import Block, DOCS, check_overrides, doc_blocks  # noqa: F401
 
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from ldm_convert import UNET_PREFIX, ldm_unet
 from tasks.training.export import bake_alpha, save_diffusers, to_kohya
-from test_export import TARGETS, model_dirs  # noqa: F401 (model_dirs: a fixture)
-from support import (ALPHA, RANK, load_pipeline, pipeline_denoiser, render_64, render_peft_reference,  # noqa: F401
-                     trained_lora)
+from lora_fixtures import TARGETS
+from support import (ALPHA, RANK, comfyui_unet_key_map, load_pipeline, pipeline_denoiser, render_64,  # noqa: F401
+                     render_peft_reference, trained_lora)
 from tolerance import assert_close, render_sums
 
 
@@ -26,18 +26,6 @@ def comfyui_lora_key(file_key: str):
     / `<x>.lora_A.weight`, alpha only from a `<x>.alpha` tensor; calculate_weight: scale = alpha / rank if
     alpha is not None else 1.0 (comfy/weight_adapter/lora.py). lora_adapter_metadata is never read."""
     return file_key.rsplit(".lora_", 1)[0]
-
-
-def comfyui_unet_key_map(denoiser_names, ldm_names=()):
-    """comfy/lora.py model_lora_keys_unet, for a UNet: `lora_unet_<ldm name, _>`, `lora_unet_<diffusers name, _>`,
-    and diffusers-LoRA keys `[unet.]<diffusers name>` with `.to_` -> `.processor.to_` and `.to_out.0` -> `.to_out`."""
-    out = {f"lora_unet_{n.replace('.', '_')}": n for n in ldm_names}
-    for n in denoiser_names:
-        out[f"lora_unet_{n.replace('.', '_')}"] = n
-        for p in ("", "unet."):
-            d = p + n.replace(".to_", ".processor.to_")
-            out[d[:-2] if d.endswith(".to_out.0") else d] = n
-    return out
 
 
 # The diffusers Linears that comfy/utils.py flux_to_diffusers / mmdit_to_diffusers map (block Linears,

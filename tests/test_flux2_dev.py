@@ -17,7 +17,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from tasks.config_schema import ModelConfig, TrainConfig
 from tasks.models import adapter_class, resolve_model
 from tasks.store import Store
-from test_cli import REPO
+from support import REPO
 from support import run_cli
 from tolerance import assert_close, render_sums, rounding
 

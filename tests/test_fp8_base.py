@@ -17,15 +17,13 @@ from tasks.training.fp8_base import store_base_low
 from tasks.models import make_adapter, resolve_model
 from tasks.store import Store
 from tasks.training.train_setup import prepare_denoiser
-from test_cli import REPO
+from support import REPO
 from families import image_families
-from support import run_cli
+from support import assert_same_step, family_sweep, run_cli
 from support import BF16, generator, one_image_inputs, one_step_loss, tiny_family  # noqa: F401 (shared helpers, tests/support.py)
 
 FP8 = torch.float8_e4m3fn
 FAMILIES = image_families()  # every text-to-image family of the registry
-
-
 
 
 @pytest.mark.parametrize("layer", [
@@ -63,12 +61,6 @@ def test_one_layer_equals_its_upcast_copy(layer, autocast):
     assert torch.equal(grads[1], grads[0])
 
 
-
-
-
-
-
-
 @pytest.mark.numerics
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
@@ -91,25 +83,6 @@ def test_gradients_through_the_fp8_base_equal_an_upcast_copy(family, tmp_path):
     # every layer sees the same bf16 weights (upcast from fp8 on the fly, or held upcast) and runs the same
     # kernels: loss and gradients are the same bits, on the AVX2 kernels and the machine's own
     assert_same_step(adapter, (ref, ref_lora), (low, low_lora))
-
-
-def assert_same_step(adapter, reference, stored):
-    """Loss, input gradient and LoRA gradients of one step through `stored` (denoiser, LoRA) are the same bits
-    as through `reference`, which holds the stored weights upcast."""
-    latents, text = one_image_inputs(adapter)
-    results = []
-    for denoiser, lora in (reference, stored):
-        x = latents.clone().requires_grad_(True)
-        loss = one_step_loss(adapter, denoiser, x, text)
-        loss.backward()
-        results.append((loss.detach(), x.grad, {n: p.grad for n, p in lora.items()}))
-    (ref_loss, ref_dx, ref_grads), (loss, dx, grads) = results
-    assert torch.equal(loss, ref_loss)
-    assert dx is not None and torch.count_nonzero(dx) > 0
-    assert torch.equal(dx, ref_dx)
-    assert any(torch.count_nonzero(g) for g in grads.values())
-    for name, g in grads.items():
-        assert torch.equal(g, ref_grads[name]), name
 
 
 def _saved_for_backward(block, run):
@@ -174,18 +147,6 @@ def test_only_fp8_weights_are_saved_for_backward(tmp_path):
     _, run_lc = _flux_block(tmp_path / "plain", None)
     saved_lc = _saved_for_backward(denoiser.transformer_blocks[0], run_lc)
     assert [s for s in saved_lc if s[0] == BF16 and s[1] in low]
-
-
-def family_sweep(tmp_path, *overrides):
-    """Every family through the CLI with `overrides`, as one Hydra sweep (`-m model=...`): one process and one
-    Prefect API for all eight, instead of one start-up each. Member i trained FAMILIES[i]."""
-    data = tmp_path / "data"
-    shutil.copytree(REPO / "data" / "demo", data)
-    sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", "model=" + ",".join(f"tiny_{f}" for f in FAMILIES), *overrides,
-                 f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
-                 "train.max_steps=2", "train.log_every=1", "sample.steps=2"], REPO, tmp_path)
-    return proc, sweep
 
 
 @pytest.fixture(scope="module")

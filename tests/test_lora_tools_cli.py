@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tasks.lora_tools import commands as cli
 from tasks.training.export import kohya_metadata
-from test_export import model_dirs  # noqa: F401  (the tiny models, built once per module)
-from test_lora_tools import ALPHA, RANK, REPO, peft_lora, run, tuned  # noqa: F401  (tuned: a fixture)
+from lora_tools_checks import ALPHA, RANK, peft_lora, run
+from support import REPO
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2, no file
@@ -83,9 +83,9 @@ def test_a_crash_or_ctrl_c_while_writing_leaves_no_file(files, tmp_path, monkeyp
 
 # ---------------------------------------------------------------- the docs' commands run
 def _doc_commands() -> list[list[str]]:
-    from test_docs_commands import COMMANDS
+    from support import doc_commands
 
-    return [c.argv for c in COMMANDS if c.origin.startswith("docs/lora-files.md") and c.argv[:1] == ["loraflow-lora"]]
+    return [c.argv for c in doc_commands() if c.origin.startswith("docs/lora-files.md") and c.argv[:1] == ["loraflow-lora"]]
 
 
 def test_the_docs_commands_run(model_dirs, tuned, tmp_path, monkeypatch):

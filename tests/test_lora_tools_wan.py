@@ -18,7 +18,7 @@ from tasks.models.tiny.tiny_wan import build_tiny_wan, build_tiny_wan22
 from tasks.models.wan import WanAdapter
 from tasks.training.export import kohya_metadata, save_kohya
 from lora_fixtures import factors_and_deltas, random_lora
-from test_lora_tools import U, assert_deltas, deltas, fold_bound, run
+from lora_tools_checks import U, assert_deltas, deltas, fold_bound, run
 
 RANK, ALPHA = 4, 3.0
 WEIGHTS = "diffusion_pytorch_model.safetensors"

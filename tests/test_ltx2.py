@@ -222,7 +222,7 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
     import re
 
     from lora_fixtures import random_lora
-    from test_comfyui_keys import REL
+    from support import REL
     from support import comfyui_merge
 
     from tasks.training.export import to_kohya

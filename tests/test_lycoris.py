@@ -28,7 +28,6 @@ from tasks.models import adapter_class
 from tasks.store import Store
 from tasks.models.lora_variants import lycoris
 from tasks.training.export_lycoris import to_lycoris
-from test_export import model_dirs  # noqa: F401
 from families import image_families
 from tolerance import rounding
 

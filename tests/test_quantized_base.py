@@ -14,9 +14,10 @@ from tasks.training.memory import stored_bytes, stored_weight_bytes
 from tasks.training.quantized_base import quantize_base, quantize_weight
 from tasks.training.train_setup import prepare_denoiser
 from tasks import validate
-from test_fp8_base import FAMILIES, assert_same_step
-from support import BF16, generator, one_image_inputs, one_step_loss, tiny_family
+from families import image_families
+from support import BF16, assert_same_step, generator, one_image_inputs, one_step_loss, tiny_family
 
+FAMILIES = image_families()
 KINDS = ["int8", "nf4"]
 
 
@@ -105,7 +106,7 @@ def test_dora_on_int8_trains_and_is_refused_on_nf4(tmp_path):
 @pytest.fixture(scope="module")
 def nf4_sweep(tmp_path_factory):
     """Every family on an NF4 base through the CLI, one Hydra sweep (as tests/test_fp8_base.py's fp8 one)."""
-    from test_fp8_base import family_sweep
+    from support import family_sweep
 
     return family_sweep(tmp_path_factory.mktemp("nf4-cli"), "model.quantize=nf4", "model.dtype=bfloat16")
 

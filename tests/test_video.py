@@ -248,7 +248,7 @@ def test_wan_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
     restates it with its commit); every key of the kohya file (= the ComfyUI file) must be read and merge to the
     PEFT LoRA's delta."""
     from lora_fixtures import random_lora
-    from test_comfyui_keys import REL
+    from support import REL
     from support import comfyui_merge
 
     from tasks.models.tiny.tiny_wan import build_tiny_wan
