@@ -216,3 +216,15 @@ def test_the_plan_schema_imports_nothing_of_the_project():
     """tasks/plan.py is the schema every layer reads: it may import nothing of the project (else the layers that
     read it would reach whatever it imports)."""
     assert not GRAPH.get("tasks.plan"), GRAPH.get("tasks.plan")
+
+
+def test_no_test_file_imports_another():
+    """Tests share helpers through the public support modules (support.py, lora_fixtures.py, ...) and
+    conftest.py's fixtures, never another test file: each test file runs alone."""
+    wrong = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not wrong, wrong
