@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 from diffusers import AutoencoderKL
 from tokenizers import pre_tokenizers
-from transformers import CLIPTextConfig, CLIPTokenizerFast, T5TokenizerFast
+from transformers import CLIPTextConfig, CLIPTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
 
 
 # Small built-in corpus for training the tokenizers offline.
@@ -78,6 +78,22 @@ def learn_bpe(word_counts: Counter, num_merges: int, suffix: str = "</w>") -> li
                 i += step
             seqs[w] = tuple(out)
     return merges
+
+
+def qwen_bpe_tokenizer(num_merges: int, lines: list[str], specials: list[str], chat_template: str) -> Qwen2Tokenizer:
+    """Byte-level BPE learnt on `lines` with Qwen2's pre-tokenizer (GPT-2 style, no end-of-word marker), the
+    `specials` after it (the first, <|endoftext|>, is pad/unk; eos <|im_end|>, the end of a chat turn) and a
+    chat template: the Qwen tokenizers of Z-Image, FLUX.2 [klein] and Qwen-Image (Qwen2.5-VL)."""
+    backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer  # Qwen's pre-processing
+    words = Counter(piece for line in lines
+                    for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
+    merges = learn_bpe(words, num_merges, suffix="")
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + specials
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, padding_side="right",
+                               eos_token="<|im_end|>", additional_special_tokens=specials[1:])
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def clip_tokenizer(num_merges: int) -> CLIPTokenizerFast:

@@ -2,14 +2,12 @@
 classes (conventions: tasks/models/tiny/common.py); its parts are Qwen-Image-Edit's too (tiny_qwenimage_edit.py)."""
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 from diffusers import FlowMatchEulerDiscreteScheduler
-from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer
 
-from tasks.models.tiny.common import corpus, learn_bpe, resolve_arch, seeder
+from tasks.models.tiny.common import corpus, qwen_bpe_tokenizer, resolve_arch, seeder
 
 
 # Qwen-Image's encoding prompt (QwenImagePipeline.prompt_template_encode): the pipeline drops its first 34
@@ -33,17 +31,8 @@ QWEN25VL_CHAT_TEMPLATE = (
 def qwen25vl_tokenizer(num_merges: int, system: str = QWENIMAGE_SYSTEM) -> Qwen2Tokenizer:
     """Qwen2.5-VL's layout: byte-level BPE, <|endoftext|> pad, <|im_end|> eos, the vision specials; `system`:
     the pipeline's template text, learnt whole-word so its dropped prefix has the real tokenizer's length."""
-    backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer
     lines = corpus() + [system, "system", "user", "assistant"] * 40  # role names start a line
-    words = Counter(piece for line in lines
-                    for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
-    merges = learn_bpe(words, num_merges, suffix="")
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + _QWEN25VL_SPECIALS
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, padding_side="right",
-                               eos_token="<|im_end|>", additional_special_tokens=_QWEN25VL_SPECIALS[1:])
-    tokenizer.chat_template = QWEN25VL_CHAT_TEMPLATE
-    return tokenizer
+    return qwen_bpe_tokenizer(num_merges, lines, _QWEN25VL_SPECIALS, QWEN25VL_CHAT_TEMPLATE)
 
 
 QWENIMAGE_ARCH: dict = {

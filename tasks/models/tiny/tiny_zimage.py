@@ -3,14 +3,12 @@ diffusers/transformers classes; the tokenizer is a byte-level BPE learnt from co
 class, with a Qwen-style chat template and special tokens (conventions: tasks/models/tiny/common.py)."""
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from tokenizers import pre_tokenizers
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from tasks.models.tiny.common import VAE_ARCH, corpus, learn_bpe, resolve_arch, seeder
+from tasks.models.tiny.common import VAE_ARCH, corpus, qwen_bpe_tokenizer, resolve_arch, seeder
 
 
 # Qwen3's chat template for what the pipelines render (one user turn + the generation prompt), with its
@@ -29,18 +27,8 @@ _QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 def qwen_tokenizer(num_merges: int, chat_template: str = QWEN3_CHAT_TEMPLATE) -> Qwen2Tokenizer:
     """Byte-level BPE with Qwen2's pre-tokenizer (GPT-2 style, no end-of-word marker), Qwen's special
-    tokens (<|endoftext|> = pad/unk, <|im_start|>, <|im_end|> = eos) and a chat template."""
-    backend = Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[]).backend_tokenizer  # Qwen's pre-processing
-    words = Counter(piece for line in corpus()
-                    for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)))
-    merges = learn_bpe(words, num_merges, suffix="")
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["".join(m) for m in merges] + _QWEN_SPECIALS
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    # Qwen3's: eos <|im_end|> (the end of a chat turn, also its model config's eos), pad <|endoftext|>
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, padding_side="right",
-                               eos_token="<|im_end|>", additional_special_tokens=_QWEN_SPECIALS[1:])
-    tokenizer.chat_template = chat_template
-    return tokenizer
+    tokens (<|endoftext|> = pad/unk, <|im_start|>, <|im_end|> = eos, as Qwen3's model config) and a chat template."""
+    return qwen_bpe_tokenizer(num_merges, corpus(), _QWEN_SPECIALS, chat_template)
 
 
 ZIMAGE_ARCH: dict = {
