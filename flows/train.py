@@ -8,9 +8,13 @@ Deployment: train_flow(config_name="train", overrides=[...]) composes with Hydra
 """
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
+
+if __name__ == "__main__":  # the CLI: no collections during start-up's imports (frozen below)
+    gc.disable()
 
 from prefect import flow
 
@@ -127,4 +131,8 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
 if __name__ == "__main__":  # python -m flows.train: the Hydra CLI (flows/cli.py)
     from flows.cli import main
 
+    # The ~140,000 objects of the imports (modules, classes, pydantic schemas) live until exit: frozen, no
+    # later collection walks them, nor the one at exit (a no-op run: 0.4 s less on 2 cores, 2.7 -> 2.3 s)
+    gc.freeze()
+    gc.enable()
     sys.exit(main())

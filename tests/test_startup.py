@@ -1,6 +1,7 @@
-"""A no-op re-run starts fast (issue 20, item 3: start-up under 5 s with a running Prefect server): it imports
-none of torch, diffusers, transformers, peft, accelerate or safetensors.torch (tasks/lazy.py). Checked by
-what a fresh interpreter has imported, never by time (the figure is bench/noop_scale.py's)."""
+"""A no-op re-run starts fast (issue 20, item 3; issue 46, item 5): it imports none of torch, diffusers,
+transformers, peft, accelerate or safetensors.torch (tasks/lazy.py), nor numpy, and the CLI freezes its
+start-up's objects for the garbage collector (flows/train.py). Checked by what a fresh interpreter has imported
+and its gc state, never by time (the figure is bench/noop_scale.py's)."""
 from __future__ import annotations
 
 import json
@@ -16,15 +17,17 @@ from tasks.models import FAMILIES
 from tasks.runtime import _GPU_DRIVERS
 
 REPO = Path(__file__).resolve().parents[1]
+# Not heavy, but 0.1 s of start-up that only decoding or rendering images needs (a no-op renders the grid: PIL)
+IMAGING = ("numpy", "PIL")
 GPU_DRIVER = any(os.path.exists(p) for p in _GPU_DRIVERS)
 # Every module a no-op run can import (the tiny-model builders and the fp8 hooks load only to build or train)
 MODULES = ["flows.train", "flows.nodes", "flows.runner", "flows.explain", "tasks.training.export", "tasks.publish",
            "tasks.models.bases.losses", *(ref.split(":")[0] for ref, _ in FAMILIES.values())]
 
 
-def _heavy_after(code: str, env: dict | None = None) -> list[str]:
-    """The heavy libraries a fresh interpreter holds after running `code`."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {list(HEAVY)!r} if m in sys.modules]))"
+def _heavy_after(code: str, env: dict | None = None, names: tuple[str, ...] = HEAVY) -> list[str]:
+    """Those of `names` (the heavy libraries) a fresh interpreter holds after running `code`."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {list(names)!r} if m in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -32,7 +35,7 @@ def _heavy_after(code: str, env: dict | None = None) -> list[str]:
 
 
 def test_importing_the_flow_and_every_adapter_imports_no_model_library():
-    assert _heavy_after("\n".join(f"import {m}" for m in MODULES)) == []
+    assert _heavy_after("\n".join(f"import {m}" for m in MODULES), names=HEAVY + IMAGING) == []
 
 
 def test_adapters_answer_what_validate_asks_without_torch():
@@ -75,7 +78,8 @@ def test_lazy_module_and_class_resolve_on_first_use():
 
 def test_a_noop_run_through_the_cli_imports_no_model_library(workspace):
     """The CLI exactly as a user runs it (Hydra, the flow on a running Prefect API), after a run that computed
-    everything: every node is answered from keys and stat calls, and torch is never imported."""
+    everything: every node is answered from keys and stat calls, torch and numpy are never imported, and the
+    start-up's objects are frozen (no collection walks them again) with the collector back on for the run."""
     from prefect.settings import PREFECT_API_URL
 
     workspace.run()  # a first run in the copy: its run record and indexes
@@ -88,8 +92,10 @@ try:
     runpy.run_module("flows.train", run_name="__main__")
 except SystemExit as e:
     assert not e.code, e.code
+import gc
+assert gc.isenabled() and gc.get_freeze_count() > 10_000, (gc.isenabled(), gc.get_freeze_count())
 """
-    heavy = _heavy_after(code, {"PREFECT_API_URL": PREFECT_API_URL.value()})
+    heavy = _heavy_after(code, {"PREFECT_API_URL": PREFECT_API_URL.value()}, names=HEAVY + ("numpy",))
     report = json.loads((run_dir / "report.json").read_text())
     assert {n: e["status"] for n, e in report["nodes"].items()} == {
         "validate": "ran", "cache_latents": "cached", "cache_text": "cached", "train": "cached", "sample": "cached"}

@@ -17,7 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from tasks.lazy import lazy
+
+np = lazy("numpy")  # a no-op run reads no frames (tasks/lazy.py)
 
 CLIP_EXTENSIONS = (".mp4", ".webm", ".mov")
 

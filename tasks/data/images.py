@@ -10,11 +10,10 @@ import io
 import warnings
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
-
 from tasks.lazy import lazy
 
+# numpy and PIL too: a no-op run decodes no image (tasks/lazy.py)
+np, Image, ImageOps = lazy("numpy"), lazy("PIL.Image"), lazy("PIL.ImageOps")
 torch = lazy("torch")
 
 # (reason, policy): why a file was not used as stored, and what was done about it.
@@ -90,7 +89,7 @@ def decode_image(path, data: bytes | None = None) -> tuple[Image.Image, list[Not
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageLoadError(path, f"image too large, refused as a possible decompression bomb ({e})") from e
-    except UnidentifiedImageError as e:
+    except Image.UnidentifiedImageError as e:
         raise ImageLoadError(path, "not a recognised image (wrong extension or corrupt header)") from e
     except OSError as e:
         msg = str(e)
