@@ -102,3 +102,21 @@ assert gc.isenabled() and gc.get_freeze_count() > 10_000, (gc.isenabled(), gc.ge
     assert Path(report["artifacts"]["lora"]).is_file()
     if not GPU_DRIVER:  # with one, validate's free-memory check imports torch
         assert heavy == []
+
+
+def test_the_console_script_starts_as_python_m_flows_train_does():
+    """`loraflow` (flows/entry.py) collects nothing while the CLI imports and freezes what they made, with the
+    collector back on for the run, as `python -m flows.train` does."""
+    code = """
+import gc, sys
+from flows.entry import main
+sys.argv = ["loraflow", "--cfg", "job"]
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+print(gc.isenabled(), gc.get_freeze_count() > 10_000)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True", out.stdout[-2000:]
