@@ -68,12 +68,12 @@ def kohya_groups(family: str, shapes) -> dict[str, list[str]]:
     """kohya module (`lora_unet_...`) -> the diffusers Linears that are its row blocks, in order."""
     if _fuses(family):
         return {f"lora_unet_{k}": rows for k, rows in kohya_rows(family, shapes).items()}
-    # One Linear per module: to_kohya names each alone. SDXL's attention modules have two kohya names: SGM
-    # (`input_blocks_4_1_...`) and, in a file that also has other modules, diffusers' (export._unet_to_kohya);
-    # sd15's rule gives the second.
+    # One Linear per module: to_kohya names each alone. A family named by SGM blocks (SDXL) has two kohya names
+    # for its attention modules: SGM's (`input_blocks_4_1_...`) and, in a file that also has other modules,
+    # diffusers' (export._unet_to_kohya), which the UNet rule without SGM blocks (sd15's) gives.
     z, groups = torch.zeros(1, 1), {}
     for name in shapes:
-        for fam in (family, "sd15") if family == "sdxl" else (family,):
+        for fam in (family, "sd15") if layout(family).sgm_blocks else (family,):
             keys = to_kohya(fam, {f"{name}.lora_A.weight": z, f"{name}.lora_B.weight": z}, 1, 1.0)
             kohya = next(k for k in keys if k.endswith(".lora_down.weight"))[: -len(".lora_down.weight")]
             groups.setdefault(kohya, [name])
