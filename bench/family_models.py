@@ -88,11 +88,13 @@ def batch_inputs(model: str, config: dict, resolution: int, text_len: int):
 
 def train_config(opts: dict, text_len: int, rank: int, frames: int = 1) -> Config:
     store = opts["store"]
-    return config_of({"data": {"frames": frames}, "model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
-                      "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
-            "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
-                      "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"],
-                      "gradient_checkpointing_offload": opts.get("offload", False)}})
+    return config_of({
+        "data": {"frames": frames},
+        "model": {"dtype": "bfloat16", "storage_dtype": None, "storage_modulation": False,
+                  "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
+        "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
+                  "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"],
+                  "gradient_checkpointing_offload": opts.get("offload", False)}})
 
 
 @functools.lru_cache(maxsize=64)
