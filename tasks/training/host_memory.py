@@ -9,10 +9,9 @@ A run that does not fit the host is refused by validate before anything is loade
 would fit: fewer swapped blocks on a more quantized base, or the activations kept on the device."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
-from tasks.config import Config, ConfigError, stored_as
+from tasks.config import Config, ConfigError, stored_as, updated
 
 GB = 1024 ** 3
 # The process before loading: Python, torch, diffusers, peft, CUDA's host-side runtime. bench/load.json measured
@@ -79,13 +78,10 @@ def _fitting(cfg: Config, host_gb: float, device_gb: float | None, estimate_for,
     return None
 
 
-def _with(cfg: Config, changes: list[tuple]) -> dict:
-    new = copy.deepcopy(cfg)
-    for _, (section, key), value in changes:
-        setattr(getattr(new, section), key, value)
-    if new.model.quantize != "none":
-        new.model.storage_dtype = None  # one way to store the base (validate refuses both)
-    return new
+def _with(cfg: Config, changes: list[tuple]) -> Config:
+    new = updated(cfg, {f"{section}.{key}": value for _, (section, key), value in changes})
+    # one way to store the base (validate refuses both)
+    return updated(new, {"model.storage_dtype": None}) if new.model.quantize != "none" else new
 
 
 def _rank(kind: str) -> int:

@@ -11,14 +11,13 @@ dequantize) is measured by bench/memory_peak.py's live-storage count (peak_gib);
 are not in it: `bench/gpu.py` measures a GPU's real peak."""
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import re
 import struct
 from pathlib import Path
 
-from tasks.config import Config, stored_as
+from tasks.config import Config, stored_as, updated
 from tasks.config_schema import TrainConfig
 from tasks.runtime import cuda_available
 
@@ -287,13 +286,11 @@ _QUANTIZE = ("fp8", "int8", "nf4")
 OFFLOAD = ("train.gradient_checkpointing_offload=true", ("train", "gradient_checkpointing_offload"), True)
 
 
-def _with(cfg: Config, changes: list[tuple]) -> dict:
-    new = copy.deepcopy(cfg)
-    for _, (section, key), value in changes:
-        setattr(getattr(new, section), key, value)
-        if key == "quantize":  # one way to store the base (validate refuses both)
-            new.model.storage_dtype = None
-    return new
+def _with(cfg: Config, changes: list[tuple]) -> Config:
+    # model.quantize takes model.storage_dtype's place: one way to store the base (validate refuses both)
+    quantized = any(key == "quantize" for _, (_, key), _ in changes)
+    return updated(cfg, {f"{section}.{key}": value for _, (section, key), value in changes}
+                   | ({"model.storage_dtype": None} if quantized else {}))
 
 
 def fitting_settings(cfg: Config, budget_gb: float, estimate_fn, max_swap: int = 0) -> list[str]:
