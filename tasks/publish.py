@@ -92,7 +92,8 @@ def lycoris_file(cfg: Config, plan: Plan, store: Store, lora: dict) -> Path:
                     ss_base_model_version=export.base_model_version(plan.family),
                     loraflow_base_model=plan.ids["denoiser"], loraflow_train_key=lora["key"])
         with store.tmp_dir("publish") as tmp:
-            path = export_lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info)
+            path = export_lycoris.save_lycoris(Path(tmp) / "lora_lycoris.safetensors", lora["lora"], info,
+                                               plan.family)
             store.put_file(LYCORIS_KIND, key, path, meta={"lora": lora["key"]})
     return store.get_path(LYCORIS_KIND, key)
 
@@ -111,7 +112,7 @@ def publish(cfg: Config, plan: Plan, store: Store, run_dir: Path, lora: dict, sa
     lora_dir.mkdir(parents=True, exist_ok=True)
     fmt, files = cfg.export.format, {}
     if lycoris.is_lycoris(cfg.train):
-        # LoHa/LoKr have one layout whatever export.format: LyCORIS's, which ComfyUI maps for every family
+        # LoHa/LoKr have one layout whatever export.format: LyCORIS's, in the names ComfyUI maps for the family
         # (tasks/training/export_lycoris.py); diffusers' load_lora_weights reads none (docs/lora-files.md)
         files["lycoris"] = files["comfyui"] = lora_dir / "lora_lycoris.safetensors"
         shutil.copyfile(lycoris_file(cfg, plan, store, lora), files["lycoris"])

@@ -7,7 +7,8 @@ tiny_hunyuan_video15.py): the tiny HunyuanVideo15Pipeline is built offline, dete
 - One training step with a peft LoRA on the default targets: finite loss, non-zero LoRA gradients.
 - `sample` from cached text is the pipeline's own video from the prompt string.
 - The saved LoRA loads with transformer.load_lora_adapter and gives the trained model's output.
-- The whole DAG through the CLI on the demo clips; the kohya file is mapped completely by ComfyUI's generic rule.
+- The whole DAG through the CLI on the demo clips. The kohya file is in musubi-tuner's names (q/k/v apart); the
+  ComfyUI file, apart, is mapped completely by ComfyUI's generic rule (q/k/v fused).
 """
 from __future__ import annotations
 
@@ -213,60 +214,81 @@ def test_whole_dag_through_the_cli_on_the_demo_clips(tmp_path):
     samples = report["artifacts"]["samples"]
     assert len(samples) == 2 and all(s.endswith(".mp4") and Path(s).is_file() for s in samples)
     files = report["artifacts"]["lora_files"]
-    assert set(files) == {"diffusers", "kohya", "comfyui"} and files["comfyui"] == files["kohya"]
+    # ComfyUI's model fuses q/k/v, musubi-tuner's does not: the ComfyUI file is apart from the kohya file
+    assert set(files) == {"diffusers", "kohya", "comfyui"} and files["comfyui"] != files["kohya"]
     assert all(Path(f).is_file() for f in files.values())
 
 
-# ComfyUI's HunyuanVideo model (comfy/ldm/hunyuan_video/model.py, the HunyuanVideo 1.5 version as quoted in this
-# workplace's code index, file 52160474187: `double_blocks` of comfy.ldm.flux.layers.DoubleStreamBlock, beside the
-# 1.5 modules byt5_in / vision_in / cond_type_embedding) and Flux's DoubleStreamBlock (comfy/ldm/flux/layers.py at
-# ComfyUI commit 413322645e713bdda69836620a97d4c9ca66b230): img_mod.lin, img_attn.qkv (q | k | v rows, as its
-# forward's view(..., 3, heads, -1) splits them), img_attn.proj, img_mlp.0 / img_mlp.2, and the same for txt_.
-# diffusers' names for the same Linears: scripts/convert_hunyuan_video1_5_to_diffusers.py (diffusers commit
-# 38c42b4de1b98bee31cb35d98aa0bf3398a960cb), which maps the original img_attn_q/k/v, img_attn_proj, img_mlp.fc1/fc2,
-# img_mod.linear (txt_ likewise) one to one onto attn.to_q/k/v, to_out.0, ff.net.0.proj/ff.net.2, norm1.linear.
-_COMFY = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
-          "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
-          "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", 0),
-          "attn.to_add_out": ("txt_attn.proj", 0), "ff.net.0.proj": ("img_mlp.0", 0), "ff.net.2": ("img_mlp.2", 0),
-          "ff_context.net.0.proj": ("txt_mlp.0", 0), "ff_context.net.2": ("txt_mlp.2", 0),
-          "norm1.linear": ("img_mod.lin", 0), "norm1_context.linear": ("txt_mod.lin", 0)}
-
-
-def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
-    """Every key of the kohya (= ComfyUI) file is read by ComfyUI's generic `lora_unet_<model key>` rule
-    (tests/test_comfyui_keys.py restates it) against ComfyUI's block names, and merges to the PEFT LoRA's delta,
-    q/k/v as row blocks of the fused qkv: no 'lora key not loaded'."""
-    import re
-
+def _hv15_lora(adapter):
+    """The tiny transformer with a random LoRA on the default targets and the modulation Linears (musubi-tuner's
+    LoRA wraps those too): ({ComfyUI module: (out, in)}, {diffusers Linear: (ComfyUI module, rows)}, peft state)."""
+    from comfyui_video import comfy_keys
     from lora_fixtures import random_lora
-    from support import REL
-    from support import comfyui_merge
-
-    from tasks.training.export import to_kohya
-    from tasks.training.export_comfyui import comfyui_loads_kohya
 
     den = adapter.load_denoiser()
-    comfy_keys, rows = {}, {}  # ComfyUI module -> (out, in); diffusers Linear -> (ComfyUI module, its rows)
-    for n, m in den.named_modules():
-        if (hit := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", n)) and hit[2] in _COMFY:
-            key, slot = _COMFY[hit[2]]
-            key = f"double_blocks.{hit[1]}.{key}"
-            out, _ = comfy_keys.get(key, (0, m.in_features))
-            rows[n] = (key, slice(slot * m.out_features, (slot + 1) * m.out_features))
-            comfy_keys[key] = (out + m.out_features, m.in_features)
-    # the defaults plus the modulation Linears (musubi-tuner's LoRA wraps them too)
+    keys, rows = comfy_keys("hunyuan_video15", den)
     targets = adapter.default_lora_targets() + r"|.*transformer_blocks\.\d+\.(norm1|norm1_context)\.linear"
     sd, _ = random_lora(den, targets, 4, 8)
+    return keys, rows, sd, den.config.num_layers
+
+
+def test_comfyui_file_is_mapped_completely_by_comfyui(adapter):
+    """Every key of the ComfyUI file is read by ComfyUI's generic `lora_unet_<model key>` rule (tests/
+    comfyui_video.py restates it and ComfyUI's HunyuanVideo 1.5 block names) and merges to the PEFT LoRA's delta,
+    q/k/v as row blocks of the fused qkv (up block-diagonal, down stacked: exact up to float32 rounding of one
+    product, support.REL); the kohya file (musubi-tuner's unfused names) leaves them unread there."""
+    from support import REL, comfyui_merge
+
+    from tasks.training.export import to_kohya
+    from tasks.training.export_comfyui import comfyui_loads_kohya, to_comfyui
+
+    keys, rows, sd, _ = _hv15_lora(adapter)
     modules = {k.rsplit(".lora_", 1)[0] for k in sd}
     assert len(modules) == 2 * 14 and modules == set(rows)  # every trained module is in one of ComfyUI's
-    merged = comfyui_merge("hunyuan_video15", to_kohya("hunyuan_video15", sd, 4, 8), comfy_keys)
-    assert set(merged) == set(comfy_keys)
+    merged = comfyui_merge("hunyuan_video15", to_comfyui("hunyuan_video15", sd, 4, 8), keys)
+    assert set(merged) == set(keys) and any(k.endswith(".img_attn.qkv") for k in merged)
     for m in modules:
         key, sl = rows[m]
         want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
         assert (merged[key][sl] - want).abs().max() <= REL * want.abs().max(), m
-    assert comfyui_loads_kohya("hunyuan_video15")
+    assert not comfyui_loads_kohya("hunyuan_video15")
+    with pytest.raises(AssertionError, match="lora key not loaded"):
+        comfyui_merge("hunyuan_video15", to_kohya("hunyuan_video15", sd, 4, 8), keys)
+
+
+# musubi-tuner's HunyuanVideo 1.5 LoRA (kohya-ss/musubi-tuner at 30c658c4f4b0bf05038b3346eff9670259b10fc7):
+# - src/musubi_tuner/networks/lora_hv_1_5.py, lines 16 and 41-51: networks.lora.create_network over every
+#   MMDoubleStreamBlock, prefix "lora_unet", exclude pattern `.*(_in).*` (line 37; no block Linear matches it);
+# - src/musubi_tuner/networks/lora.py, lines 578-592: each Linear child of such a block is one LoRA module named
+#   `lora_unet.<path from the model>` with "." -> "_"; create_network_from_weights (lines 971-1010) makes modules
+#   only for the file's names, so a name no Linear has is never applied;
+# - hunyuan_video_1_5/hunyuan_video_1_5_models.py, line 108: the blocks are `double_blocks`;
+#   hunyuan_video_1_5_modules.py, lines 597-622 (MMDoubleStreamBlock) and 199-203 (MLP): its Linears.
+MUSUBI_LINEARS = ("img_mod.linear", "img_attn_q", "img_attn_k", "img_attn_v", "img_attn_proj", "img_mlp.fc1",
+                  "img_mlp.fc2", "txt_mod.linear", "txt_attn_q", "txt_attn_k", "txt_attn_v", "txt_attn_proj",
+                  "txt_mlp.fc1", "txt_mlp.fc2")
+# The same Linears' diffusers names: scripts/convert_hunyuan_video1_5_to_diffusers.py (tests/comfyui_video.py)
+DIFFUSERS_OF = dict(zip(MUSUBI_LINEARS, ("norm1.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                         "ff.net.0.proj", "ff.net.2", "norm1_context.linear", "attn.add_q_proj",
+                                         "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                                         "ff_context.net.0.proj", "ff_context.net.2")))
+
+
+def test_kohya_file_is_in_musubi_tuners_names(adapter):
+    """The kohya file's modules are exactly those musubi-tuner's networks.lora_hv_1_5 creates for the tiny model's
+    blocks (its names built from its rules above), each the PEFT LoRA's own factors and alpha: musubi-tuner reads
+    every module with the trained delta (its W += alpha / rank * up @ down, exactly the same product)."""
+    from tasks.training.export import to_kohya
+
+    _, _, sd, blocks = _hv15_lora(adapter)
+    file = to_kohya("hunyuan_video15", sd, 4, 8)
+    musubi = {f"lora_unet.double_blocks.{i}.{m}".replace(".", "_"): f"transformer_blocks.{i}.{DIFFUSERS_OF[m]}"
+              for i in range(blocks) for m in MUSUBI_LINEARS}
+    assert {k.split(".")[0] for k in file} == set(musubi)
+    for name, module in musubi.items():
+        assert torch.equal(file[f"{name}.lora_down.weight"], sd[f"{module}.lora_A.weight"]), name
+        assert torch.equal(file[f"{name}.lora_up.weight"], sd[f"{module}.lora_B.weight"]), name
+        assert file[f"{name}.alpha"].item() == 8.0
 
 
 def test_lora_memorises_its_clip(tmp_path):

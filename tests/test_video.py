@@ -186,7 +186,6 @@ def test_image_family_notes_clips_and_trains_the_images(clips):
     ("data.frames=8", "data.frames=8: wan's video VAE takes 1 + 4k frames; use data.frames=5 or data.frames=9"),
     ("data.fps=0", "data.fps=0"),
     ("data.alpha_mask=true", "data.alpha_mask: not available for video families yet"),
-    ("train.network=lokr", "train.network=lokr: not available for video families yet"),
 ])
 def test_config_errors_name_the_key(clips, override, says):
     with pytest.raises(ConfigError, match=says.replace("+", r"\+").replace(".", r"\.")):

@@ -36,9 +36,11 @@ def errors(cfg: Config, adapter_cls) -> list[str]:
             out.append(f"data.resolution={dc.resolution:g}: {family} renders sides of {side} px or more (its "
                        f"VAE decoder); use data.resolution={side} or more")
         network = cfg.train.network
-        if network in ("loha", "lokr"):  # their LyCORIS file names diffusers' modules: no video loader reads those
-            out.append(f"train.network={network}: not available for video families yet ({family}): no loader of "
-                       "video LoRAs reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
+        # ComfyUI maps no `lycoris_<diffusers module>` for its video models: a family's LyCORIS file must be in its
+        # ComfyUI names (its KohyaLayout's lycoris_names, tasks/training/export_lycoris.py)
+        if network in ("loha", "lokr") and adapter_cls.kohya.lycoris_names != "comfyui":
+            out.append(f"train.network={network}: not available for {family} yet: no loader of video LoRAs "
+                       "reads a LyCORIS file in diffusers' names; use train.network=lora or dora")
     return out
 
 

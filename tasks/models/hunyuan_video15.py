@@ -22,6 +22,12 @@ What follows which reference (diffusers 0.42.1, pipelines/hunyuan_video1_5/pipel
 - LoRA targets: every attention and MLP Linear of the double-stream blocks (image and caption streams: to_q/k/v,
   to_out.0, add_q/k/v_proj, to_add_out, ff and ff_context), the attention/MLP part of what musubi-tuner's
   networks/lora_hv_1_5.py wraps (every Linear of MMDoubleStreamBlock; its modulation Linears are left out here).
+- kohya file: musubi-tuner's (networks/lora_hv_1_5.py at kohya-ss/musubi-tuner 30c658c: networks.lora's
+  `lora_unet_<module path, "." -> "_">` over MMDoubleStreamBlock, whose q, k and v are three Linears
+  img_attn_q/k/v, its MLP img_mlp.fc1/fc2: hunyuan_video_1_5/hunyuan_video_1_5_modules.py), so musubi-tuner reads
+  it; ComfyUI's model fuses q/k/v (Flux's DoubleStreamBlock: img_attn.qkv, img_mlp.0/2), so its file is apart
+  (`comfyui_rules`: the names musubi's own convert_hunyuan_video_1_5_lora_to_comfy.py writes). The LyCORIS file
+  (LoHa/LoKr) is in ComfyUI's names; q/k/v's LoKr share w2 there (tasks/training/lycoris_fused.py).
 - LoRA file: diffusers' layout (`transformer.<module>.lora_A.weight`, peft config in the metadata), written with
   HunyuanVideoLoraLoaderMixin.save_lora_weights; HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42.1, so
   it is loaded with the transformer's own `load_lora_adapter(file, prefix="transformer", use_safetensors=True)`
@@ -51,14 +57,23 @@ _VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens (SigLI
 _BYT5_MAX = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 _TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 _WARNED: set[str] = set()
+# musubi-tuner's module of each diffusers Linear of a double-stream block (diffusers' own
+# scripts/convert_hunyuan_video1_5_to_diffusers.py maps them one to one: img_attn_q -> attn.to_q, img_mlp.fc1 ->
+# ff.net.0.proj, img_mod.linear -> norm1.linear, txt_ likewise), named as networks.lora does
+MUSUBI_RULES = tuple((BLOCK + diffusers, f"double_blocks_{{}}_{musubi}", 1) for diffusers, musubi in (
+    (r"attn\.to_q", "img_attn_q"), (r"attn\.to_k", "img_attn_k"), (r"attn\.to_v", "img_attn_v"),
+    (r"attn\.to_out\.0", "img_attn_proj"), (r"attn\.add_q_proj", "txt_attn_q"), (r"attn\.add_k_proj", "txt_attn_k"),
+    (r"attn\.add_v_proj", "txt_attn_v"), (r"attn\.to_add_out", "txt_attn_proj"), (r"ff\.net\.0\.proj", "img_mlp_fc1"),
+    (r"ff\.net\.2", "img_mlp_fc2"), (r"ff_context\.net\.0\.proj", "txt_mlp_fc1"), (r"ff_context\.net\.2", "txt_mlp_fc2"),
+    (r"norm1\.linear", "img_mod_linear"), (r"norm1_context\.linear", "txt_mod_linear")))
 
 
 class HunyuanVideo15Adapter(TransformerAdapter):
     family = "hunyuan_video15"
-    # ComfyUI's names for its HunyuanVideo 1.5 model, built from Flux's DoubleStreamBlock: Flux's double-block rules
-    # (no single blocks; its embedders are no LoRA targets). musubi-tuner's networks.lora_hv_1_5 keeps q/k/v apart
-    kohya = KohyaLayout("networks.lora_hv_1_5", "hunyuan_video_1_5",
-                        rules=tuple(r for r in FLUX1_RULES if r[0].startswith(BLOCK)))
+    # kohya: musubi-tuner's names (MUSUBI_RULES); ComfyUI's model is built from Flux's DoubleStreamBlock: Flux's
+    # double-block rules (no single blocks; its embedders are no LoRA targets)
+    kohya = KohyaLayout("networks.lora_hv_1_5", "hunyuan_video_1_5", rules=MUSUBI_RULES,
+                        comfyui_rules=tuple(r for r in FLUX1_RULES if r[0].startswith(BLOCK)), lycoris_names="comfyui")
     # frame_step: the VAE's temporal factor (pipeline.vae_scale_factor_temporal); 15 fps: the rate of the pipeline's
     # example (export_to_video(..., fps=15))
     clips = Clips(frame_step=4, default_fps=15.0)

@@ -82,7 +82,7 @@ def _cached_connectors_class() -> type:
 
 class LTX2Adapter(TransformerAdapter):
     family = "ltx2"
-    kohya = KohyaLayout("networks.lora_ltx2", "ltx2", names="named")  # ltx-core's = ComfyUI's names
+    kohya = KohyaLayout("networks.lora_ltx2", "ltx2", names="named", lycoris_names="comfyui")  # ltx-core's = ComfyUI's
     # LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
     # frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
     activation_factors = (37.0, 1.03, 40.0)

@@ -37,7 +37,7 @@ KOHYA_RULES = (
 
 class WanAdapter(TransformerAdapter):
     family = "wan"
-    kohya = KohyaLayout("networks.lora_wan", "wan2.1", rules=KOHYA_RULES)
+    kohya = KohyaLayout("networks.lora_wan", "wan2.1", rules=KOHYA_RULES, lycoris_names="comfyui")
     # Wan's blocks save more per token (fp32 norms, cross-attention, a 2.7x FFN): measured on Wan 2.1 14B at 480x832,
     # 33 and 81 frames (bench.memory --families: 1228.3/1222.7 per 40 blocks without checkpointing, 72.9/72.7 with)
     activation_factors = (30.7, 1.03, 31.6)

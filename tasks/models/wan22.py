@@ -29,7 +29,8 @@ MAX_DRAWS = 10_000
 
 class Wan22Adapter(WanAdapter):
     family = "wan22"
-    kohya = KohyaLayout("networks.lora_wan", "wan2.2", rules=WanAdapter.kohya.rules)  # one file per expert
+    kohya = KohyaLayout("networks.lora_wan", "wan2.2", rules=WanAdapter.kohya.rules,  # one file per expert
+                        lycoris_names="comfyui")
     # both experts' weights in the keys: which one trains is model.expert (in the LoRA's key)
     denoiser_components = ("transformer", "transformer_2")
     sample_components = ("transformer", "transformer_2", "vae", "scheduler")

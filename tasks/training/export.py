@@ -45,9 +45,9 @@ st = lazy("safetensors.torch")
 # (`kohya = KohyaLayout(...)` on its adapter, tasks/models/bases/adapter.py)
 FAMILIES = tuple(REGISTRY)
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
-CODE_VERSION = "4"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
+CODE_VERSION = "5"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
 # A group rule's slots: q, k, v (and Flux's single-block mlp) within the original fused Linear
-_SLOT = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
+RULE_SLOTS = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
 _SLOT_WIDTH = (1, 1, 1, 4)
@@ -69,15 +69,16 @@ def check_family(family: str) -> str:
     return family
 
 
-def kohya_rows(family: str, module_names) -> dict[str, list[str]]:
+def kohya_rows(family: str, module_names, rules: tuple | None = None) -> dict[str, list[str]]:
     """kohya module (without `lora_unet_`) -> the diffusers Linears of `module_names` that are its row blocks, in
     order (q, k, v(, mlp)): what a loader merging a kohya file onto a diffusers model needs (ComfyUI's
-    flux_to_diffusers map, read backwards). Families with rules only."""
+    flux_to_diffusers map, read backwards). Families with rules only; `rules`: others than the kohya file's
+    (a family's `comfyui_rules`)."""
     rows: dict[str, dict[int, str]] = {}
     for module in module_names:
-        for pattern, name, size in layout(family).rules:
+        for pattern, name, size in rules or layout(family).rules:
             if m := re.fullmatch(pattern, module):
-                rows.setdefault(name.format(*m.groups()[:1]), {})[_SLOT[m.group(2)] if size > 1 else 0] = module
+                rows.setdefault(name.format(*m.groups()[:1]), {})[RULE_SLOTS[m.group(2)] if size > 1 else 0] = module
                 break
     return {name: [slots[i] for i in sorted(slots)] for name, slots in rows.items()}
 
@@ -97,16 +98,17 @@ def lora_pairs(sd: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.
     return out
 
 
-def _transformer_to_kohya(family, pairs, rank, alpha):
+def transformer_to_kohya(family, pairs, rank, alpha, rules=None):
+    """{diffusers module: (A, B)} -> kohya tensors by the family's rules (or `rules`: its `comfyui_rules`)."""
     groups: dict[str, tuple[int, dict[int, tuple]]] = {}
     if dropped := sorted(m for m in pairs if re.fullmatch(layout(family).drop or "(?!)", m)):
         warnings.warn(f"{family}: kohya file leaves out {dropped} (no such module in sd-scripts' {family} LoRA)")
         pairs = {m: ab for m, ab in pairs.items() if m not in dropped}
     for module, ab in pairs.items():
-        for pattern, name, size in layout(family).rules:
+        for pattern, name, size in rules or layout(family).rules:
             m = re.fullmatch(pattern, module)
             if m:
-                slot = _SLOT[m.group(2)] if size > 1 else 0
+                slot = RULE_SLOTS[m.group(2)] if size > 1 else 0
                 groups.setdefault(name.format(*m.groups()[:1]), (size, {}))[1][slot] = ab
                 break
         else:
@@ -196,7 +198,7 @@ def to_kohya(family: str, peft_state_dict: dict[str, torch.Tensor], rank: int, a
     elif names == "named":
         out = named_to_kohya(pairs, alpha)
     else:
-        out = _transformer_to_kohya(family, pairs, rank, alpha)
+        out = transformer_to_kohya(family, pairs, rank, alpha)
     if magnitudes:
         rows = (_unet_kohya_names(family, pairs, alpha) if names == "unet" else
                 {"lora_unet_" + m.replace(".", "_"): [m] for m in pairs} if names == "named" else

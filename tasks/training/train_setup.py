@@ -115,6 +115,11 @@ def prepare_denoiser(adapter, cfg: Config, stream: bool = True):
                             target_modules=lora_targets(tc, adapter), use_dora=tc.network == "dora",
                             use_rslora=bool(tc.rslora))
     denoiser.add_adapter(config)
+    if tc.network == "lokr":  # the LoKr of Linears that the LyCORIS file fuses share w2 (export_lycoris.fused_groups)
+        from tasks.training.export_lycoris import fused_groups
+
+        layers = [n for n, m in denoiser.named_modules() if hasattr(m, "lokr_w1")]
+        lycoris.share_w2(denoiser, fused_groups(adapter.family, layers))
     named = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
     for p in named.values():  # LoRA weights train in fp32 whatever the base dtype
         p.data = p.data.float()

@@ -67,6 +67,14 @@ class KohyaLayout:
     # ComfyUI's own model names differ from the kohya file's (Z-Image: q/k/v fused): a ComfyUI file apart
     # (tasks/training/export_comfyui.py); False: the kohya file is the ComfyUI file
     comfyui_fuses_qkv: bool = False
+    # The same for a "rules" family whose reference trainer and ComfyUI disagree (HunyuanVideo 1.5: musubi-tuner
+    # keeps q/k/v apart, ComfyUI's model fuses them): ComfyUI's names, as `rules`; () = the kohya file's
+    comfyui_rules: tuple = ()
+    # The LyCORIS file's names (train.network=loha|lokr, tasks/training/export_lycoris.py): "diffusers" =
+    # `lycoris_<diffusers module>`, which ComfyUI maps for the image families; "comfyui" = the ComfyUI file's
+    # modules (`lora_unet_<ComfyUI's module>`, as LyCORIS's lycoris.kohya names them), the only LyCORIS names
+    # ComfyUI maps for its video models (its generic rule); a fused module's LoHa/LoKr are fused exactly
+    lycoris_names: str = "diffusers"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ file of them, and putting a file back on a model for sampling.
   `load_lora_weights` reads no LoHa/LoKr (FLUX.2's reads LoKr), so `apply_file` puts it on the model with peft
   (inject + state dict): the sample node and samples during training render through that.
 - The exported LyCORIS file (tasks/training/export_lycoris.py) goes back on a model by `apply_lycoris`, as
-  ComfyUI's rules merge it: the learning check renders through that.
+  ComfyUI's rules merge it: the learning check renders through that. A file in a family's ComfyUI names says in
+  its metadata which diffusers Linears each module is; a fused module (LoHa, LoKr) is split back exactly.
+- `share_w2`: the LoKr of Linears that the LyCORIS file fuses into one module train with one w2 (a Kronecker
+  product of the fused Linear; tasks/training/lycoris_fused.py).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ NETWORKS = ("loha", "lokr")
 SUFFIXES = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
             "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")}
 LORA_META = "lora_adapter_metadata"
+ROWS_META = "loraflow_lycoris_rows"  # an exported file's {module: [diffusers Linear of each row block, or null]}
 
 
 def is_lycoris(tc: TrainConfig) -> bool:
@@ -63,7 +67,8 @@ def save_peft(path, state_dict: dict, config: dict, component: str):
     written into the node's temporary folder (the node canonicalises and stores it)."""
     from safetensors.torch import save_file
 
-    tensors = {f"{component}.{k}": v.detach().contiguous() for k, v in state_dict.items()}
+    # cloned: LoKr layers sharing w2 (share_w2) would otherwise share memory, which safetensors refuses
+    tensors = {f"{component}.{k}": v.detach().clone().contiguous() for k, v in state_dict.items()}
     meta = {LORA_META: json.dumps({f"{component}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True,
                                   default=str), "format": "pt"}
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # as diffusers' save_lora_weights makes its folder
@@ -110,11 +115,51 @@ def modules_of(state_dict: dict, network: str) -> dict[str, dict]:
 
 
 def is_lycoris_file(path) -> bool:
-    """Whether a .safetensors file is in the LyCORIS layout of `to_lycoris` (`lycoris_<module>.<suffix>`)."""
+    """Whether a .safetensors file is in the LyCORIS layout of `to_lycoris` (`<module>.hada_w1_a`, `.lokr_w1`...)."""
     from safetensors import safe_open
 
+    suffixes = {s for sfx in SUFFIXES.values() for s in sfx}
     with safe_open(str(path), "pt") as f:
-        return any(k.startswith("lycoris_") for k in f.keys())
+        return any(k.rpartition(".")[2] in suffixes for k in f.keys())
+
+
+def share_w2(model, groups: list[list[str]]) -> int:
+    """Each group's LoKr layers (after add_adapter) take the first one's w2 Parameters (`lokr_w2`, or
+    `lokr_w2_a` and `lokr_w2_b`): one tensor, its gradients from every layer adding up. Returns how many."""
+    modules, tied = dict(model.named_modules()), 0
+    for group in groups:
+        first = modules[group[0]]
+        for name in group[1:]:
+            layer = modules[name]
+            for attr in ("lokr_w2", "lokr_w2_a", "lokr_w2_b"):
+                for adapter, p in getattr(first, attr).items():
+                    if getattr(layer, attr)[adapter].shape != p.shape:
+                        raise ValueError(f"{name}: its LoKr {attr} is {tuple(getattr(layer, attr)[adapter].shape)}, "
+                                         f"{group[0]}'s {tuple(p.shape)}: no shared w2")
+                    getattr(layer, attr)[adapter] = p
+                    tied += 1
+    return tied
+
+
+def split_fused(network: str, parts: dict, widths: list[int]) -> list[dict]:
+    """A fused module's parts (scale folded in, no alpha: tasks/training/lycoris_fused.py) -> each row block's
+    (`widths`: their output rows), exactly: LoHa's block-diagonal w1a/w2a cut into blocks (anything off them
+    refused), LoKr's stacked w1 cut by rows beside the shared w2."""
+    n = len(widths)
+    if network == "lokr":
+        w1 = parts["lokr_w1"] if "lokr_w1" in parts else parts["lokr_w1_a"] @ parts["lokr_w1_b"]
+        w2 = {k: v for k, v in parts.items() if k.startswith("lokr_w2")}
+        return [{"lokr_w1": w, **w2} for w in w1.chunk(n)]
+    r = parts["hada_w1_b"].shape[0] // n
+    out = [{} for _ in widths]
+    for i in (1, 2):
+        a, b = parts[f"hada_w{i}_a"], parts[f"hada_w{i}_b"]
+        blocks = [a[sum(widths[:j]):sum(widths[:j + 1]), j * r:(j + 1) * r] for j in range(n)]
+        if not torch.equal(torch.block_diag(*blocks), a):
+            raise ValueError(f"hada_w{i}_a of a fused module is not block-diagonal: not loraflow's fused LoHa")
+        for j in range(n):
+            out[j].update({f"hada_w{i}_a": blocks[j], f"hada_w{i}_b": b[j * r:(j + 1) * r]})
+    return out
 
 
 def apply_lycoris(model, path) -> None:
@@ -127,13 +172,14 @@ def apply_lycoris(model, path) -> None:
 
     with safe_open(str(path), "pt") as f:
         tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-    names = {"lycoris_" + n.replace(".", "_"): n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    rows = json.loads(meta[ROWS_META]) if ROWS_META in meta else {"lycoris_" + n.replace(".", "_"): [n] for n in linears}
     groups: dict[str, dict] = {}
     for key, t in tensors.items():
         lyco, _, suffix = key.rpartition(".")
-        if lyco not in names:
+        if lyco not in rows or not set(filter(None, rows[lyco])) <= linears.keys():
             raise ValueError(f"{path}: {key} names no Linear of {type(model).__name__}")
-        groups.setdefault(names[lyco], {})[suffix] = t.float()
+        groups.setdefault(lyco, {})[suffix] = t.float()
     kinds = {n for n, sfx in SUFFIXES.items() for parts in groups.values() if set(parts) & set(sfx)}
     if len(kinds) != 1:
         raise ValueError(f"{path}: expected LoHa or LoKr tensors, found {sorted(kinds) or 'neither'}")
@@ -141,7 +187,7 @@ def apply_lycoris(model, path) -> None:
     rank = int(float(meta.get("ss_network_dim", 0))) or max(
         p[s].shape[0] for p in groups.values() for s in ("hada_w1_b", "lokr_w2_b", "lokr_w1_b") if s in p)
     state = {}
-    for module, parts in groups.items():
+    for lyco, parts in groups.items():
         alpha = parts.pop("alpha", None)
         if network == "loha":
             scale = float(alpha) / parts["hada_w1_b"].shape[0] if alpha is not None else 1.0
@@ -151,8 +197,15 @@ def apply_lycoris(model, path) -> None:
             scale = float(alpha) / dim if alpha is not None and dim is not None else 1.0
             first = "lokr_w1" if "lokr_w1" in parts else "lokr_w1_a"
             parts[first] = parts[first] * scale
-        state.update({f"{module}.{s}": t for s, t in parts.items()})
-    targets = "^(" + "|".join(re.escape(m) for m in sorted(groups)) + ")$"
+        slots = rows[lyco]
+        width = next(linears[m].out_features for m in slots if m)  # a slot not trained: zeros of this width
+        split = [parts] if len(slots) == 1 else split_fused(
+            network, parts, [linears[m].out_features if m else width for m in slots])
+        for module, one in zip(slots, split):
+            if module:  # a slot not trained: zeros
+                state.update({f"{module}.{s}": t for s, t in one.items()})
+    trained = sorted({k.rsplit(".", 1)[0] for k in state})
+    targets = "^(" + "|".join(re.escape(m) for m in trained) + ")$"
     model.add_adapter(make_config(network, rank, rank, targets))  # scale 1: ComfyUI's scale is in the factors
     result = peft.set_peft_model_state_dict(model, state)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
