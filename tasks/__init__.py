@@ -17,7 +17,9 @@ class _KnownImportNoise(_logging.Filter):
     """Drops the log lines torchao 0.18 causes at import in every process that imports diffusers (which imports
     torchao when it is installed), none of which touches what loraflow uses of it (its int8 and NF4 tensors):
     its CUDA-only extensions failing to load beside the CPU build of torch, torch 2.13 deprecating how it
-    registers two Enums, and diffusers 0.42 looking for tensor classes torchao has moved."""
+    registers two Enums, and diffusers 0.42 looking for tensor classes torchao has moved. peft imports bitsandbytes
+    (model.matmul=bnb) when it is installed, and bitsandbytes 0.50 on an AVX512-BF16 CPU fails to load its optional
+    CPU inference kernel from a hub (the `kernels` package, not installed): loraflow's 4-bit matmul never uses it."""
 
     NEEDLES = ("Failed to load", "is an Enum subclass and is now natively supported",
                "Unable to import `torchao` Tensor objects")
@@ -26,5 +28,6 @@ class _KnownImportNoise(_logging.Filter):
         return not any(n in record.getMessage() for n in self.NEEDLES)
 
 
-for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer",
+              "bitsandbytes.backends.cpu.ops"):
     _logging.getLogger(_name).addFilter(_KnownImportNoise())

@@ -3,6 +3,8 @@ the key and the fix. The CLI runs them before starting Prefect (flows/cli.py), t
 (tasks/validate.py)."""
 from __future__ import annotations
 
+import importlib.util
+
 from tasks.config import Config, ConfigError
 from tasks.config_schema import TrainConfig
 from tasks.data import augment, controls, subsets, video
@@ -10,7 +12,7 @@ from tasks.data.sizes import resolve_size
 from tasks.models import adapter_class
 from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.runtime import cuda_available
-from tasks.training import memory, validation_loss as validation
+from tasks.training import memory, validation_loss as validation, w8a8
 from tasks.training.compiled_blocks import compile_errors
 
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
@@ -148,12 +150,17 @@ def _check_device(cfg: Config) -> list[str]:
         errors.append(f"model.storage_dtype={storage!r}: choose float8_e4m3fn, float8_e5m2 or null")
     if quantize not in ("none", "fp8", "int8", "nf4"):
         errors.append(f"model.quantize={quantize!r}: choose none, fp8, int8 or nf4")
-    elif cfg.model.matmul not in ("auto", "dequantize", "w8a8"):
-        errors.append(f"model.matmul={cfg.model.matmul!r}: choose auto, dequantize or w8a8")
+    elif cfg.model.matmul not in w8a8.MODES:
+        errors.append(f"model.matmul={cfg.model.matmul!r}: choose auto, dequantize, w8a8 or bnb")
     elif cfg.model.matmul == "w8a8" and quantize not in ("fp8", "int8") and storage != "float8_e4m3fn":
         errors.append(f"model.matmul=w8a8 multiplies an fp8 or int8 base in its own type; with model.quantize="
-                      f"{quantize} there is none (nf4 has no 4-bit matmul: it dequantizes); set model.quantize=fp8 or "
-                      "int8, or model.matmul=auto")
+                      f"{quantize} there is none (nf4's is model.matmul=bnb, bitsandbytes' matmul_4bit); set "
+                      "model.quantize=fp8 or int8, or model.matmul=auto")
+    elif cfg.model.matmul == "bnb" and quantize != "nf4":
+        errors.append(f"model.matmul=bnb multiplies an nf4 base by bitsandbytes' matmul_4bit; with model.quantize="
+                      f"{quantize} there is none; set model.quantize=nf4, or model.matmul=auto")
+    elif cfg.model.matmul == "bnb" and importlib.util.find_spec("bitsandbytes") is None:  # looked up, not imported
+        errors.append(w8a8.BNB_MISSING)
     elif quantize != "none" and storage:
         errors.append(f"model.quantize={quantize} with model.storage_dtype={storage}: two ways to store the base; "
                       "keep one (model.quantize=fp8 is model.storage_dtype=float8_e4m3fn)")

@@ -10,14 +10,16 @@ from bench import gpu_speed
 
 def test_the_speed_bench_runs_its_settings_through_the_train_nodes_code(tmp_path):
     out = tmp_path / "speed.json"
-    assert gpu_speed.main(["--tiny", "--only", "int8+w8a8,fp8,int8+w8a8+swap10", "--steps", "1", "--warmup", "0",
-                           "--out", str(out)]) == 0
+    assert gpu_speed.main(["--tiny", "--only", "int8+w8a8,fp8,int8+w8a8+swap10,nf4+bnb", "--steps", "1", "--warmup",
+                           "0", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["settings"]}
-    assert set(rows) == {"bf16", "int8+w8a8", "fp8", "int8+w8a8+swap10"}
+    assert set(rows) == {"bf16", "int8+w8a8", "fp8", "int8+w8a8+swap10", "nf4+bnb"}
     assert all(r["error"] is None and r["step_median_s"] > 0 for r in rows.values()), rows
     assert "w8a8" in rows["int8+w8a8"]["runtime"]["matmul"] and "fallback" in rows["fp8"]["runtime"]["matmul"]
-    assert result["step_flops"] > 0 and {f["name"].split(" step")[0] for f in result["figures"]} >= {"int8+w8a8", "fp8"}
+    assert "bnb.matmul_4bit" in rows["nf4+bnb"]["runtime"]["matmul"]  # bitsandbytes' CPU backend runs it here
+    assert result["step_flops"] > 0 and {f["name"].split(" step")[0] for f in result["figures"]} >= {"int8+w8a8", "fp8",
+                                                                                                      "nf4+bnb"}
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"figures": [{"name": "other", "value": 1.0}]}))
     gpu_speed.merge(out, results)

@@ -47,7 +47,8 @@ def _step(adapter, denoiser, named):
     ({}, {}),
     # torchao's int8 weights and a swapped block run eagerly inside the compiled blocks (fp8_base._eager_linear)
     ({"quantize": "int8", "matmul": "w8a8"}, {"blocks_to_swap": 1}),
-    ({"quantize": "nf4"}, {})])
+    ({"quantize": "nf4"}, {}),
+    ({"quantize": "nf4", "matmul": "bnb"}, {})])  # bitsandbytes' NF4 (nf4_kernel.py), eager inside the blocks too
 def test_a_compiled_step_equals_eager_within_fp32_rounding(tmp_path, model_extra, train_extra):
     adapter, model = _adapter("flux", tmp_path)
     model = replace(model, **model_extra)
@@ -100,3 +101,4 @@ def test_the_report_names_the_kernel_paths():
     assert matmul_path(None, "bfloat16") == "bfloat16 matmul"
     assert "torchao dequantize" in matmul_path("nf4", "bfloat16") and "fallback" in matmul_path("nf4", "bfloat16")
     assert "cast to bfloat16" in matmul_path("float8_e4m3fn", "bfloat16")
+    assert "bnb-nf4" in matmul_path("nf4", "bfloat16", "bnb") and "fallback" not in matmul_path("nf4", "bfloat16", "bnb")

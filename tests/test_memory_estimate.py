@@ -138,6 +138,10 @@ def test_flux_dev_quantized_and_swapped(flux_dev_headers):
     bf16, int8, nf4 = est(ckpt), est(with_model(quantize="int8")), est(with_model(quantize="nf4"))
     # the block Linears (all but 0.1 B of the 11.9 B) at 1 and ~0.52 bytes; the modulation linears stay bf16
     assert int8["weights_gb"] < 0.75 * bf16["weights_gb"] and nf4["weights_gb"] < int8["weights_gb"] - 2
+    # model.matmul=bnb: the same bytes held; bnb's dequantize writes the bf16 weight at once (torchao's NF4 decodes
+    # through int64 indices), so less in flight
+    bnb = est(with_model(quantize="nf4", matmul="bnb"))
+    assert bnb["weights_gb"] == nf4["weights_gb"] and bnb["transient_gb"] < nf4["transient_gb"]
     swap = est(updated(ckpt, {"model.quantize": "int8", "train.blocks_to_swap": 38}))
     assert 4 < swap["host_gb"] and swap["weights_gb"] + swap["host_gb"] > int8["weights_gb"]  # + one layer in flight
     assert bf16["host_gb"] == 0

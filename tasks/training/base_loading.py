@@ -1,5 +1,6 @@
 """How the train node loads the frozen base (issue 43): streamed tensor by tensor (tasks/models/loading/stream_load.py),
-each frozen weight stored as `model.quantize` says (fp8 / torchao int8 / NF4) the moment it is read, on the GPU
+each frozen weight stored as `model.quantize` says (fp8 / torchao int8 / NF4, or bitsandbytes' NF4 where
+model.matmul resolves to bnb) the moment it is read, on the GPU
 where there is one; a swapped block's weights (train.blocks_to_swap) straight to the host.
 
 The stored weights are held here, not in the module, until peft has added the LoRA layers: peft casts a new
@@ -19,6 +20,7 @@ from typing import Callable
 
 from tasks.config import Config, stored_as
 from tasks.lazy import lazy
+from tasks.training import w8a8
 
 torch = lazy("torch")
 
@@ -29,6 +31,7 @@ class WeightLoading:
     kind: str | None  # fp8 dtype name, int8, nf4; None: the compute dtype
     skip: tuple[str, ...]
     device: str
+    matmul: str = "dequantize"  # model.matmul resolved (w8a8.resolve): bnb stores nf4 in bitsandbytes' format
     swapped: dict[str, tuple[str, ...]] = field(default_factory=dict)  # subfolder -> prefixes held on the host
     held: dict = field(default_factory=dict)  # module -> its stored weight, until attach
 
@@ -42,7 +45,7 @@ class WeightLoading:
         if self.kind is None or skipped(path, self.skip):
             return None
         if self.kind in ("int8", "nf4"):
-            stored = quantize_weight(value, self.kind) if isinstance(module, torch.nn.Linear) else None
+            stored = quantize_weight(value, self.kind, self.matmul) if isinstance(module, torch.nn.Linear) else None
         else:
             stored = value.to(getattr(torch, self.kind)) if castable(module) else None
         if stored is None:
@@ -70,7 +73,7 @@ def plan_loading(adapter, cfg: Config, skip: tuple[str, ...]) -> WeightLoading |
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if stored and cfg.train.network == "dora":
         return None
-    plan = WeightLoading(stored or None, skip, device)
+    plan = WeightLoading(stored or None, skip, device, w8a8.resolve(cfg.model))
     n = cfg.train.blocks_to_swap or 0
     if n and adapter.denoisers == 1:  # Wan 2.2's two experts: placed whole, swap_blocks moves theirs after
         from tasks.models.loading.stream_load import folder_entries

@@ -70,10 +70,14 @@ def attention_backend() -> str:
 
 def matmul_path(stored: str | None, compute_dtype: str, mode: str = "dequantize") -> str:
     """How the frozen base's Linears multiply: the kernel path of a stored base (model.matmul resolved: w8a8, the
-    stored type's own matmul with activations quantized per token; or the fallback, the weight upcast or
-    dequantized to the compute dtype inside fp8_base's autograd Function, then a plain matmul)."""
+    stored type's own matmul with activations quantized per token; bnb, an NF4 base through bitsandbytes'
+    matmul_4bit; or the fallback, the weight upcast or dequantized to the compute dtype inside fp8_base's autograd
+    Function, then a plain matmul)."""
     if not stored:
         return f"{compute_dtype} matmul"
+    if mode == "bnb":
+        return (f"nf4: bnb-nf4, bitsandbytes' NF4 through bnb.matmul_4bit in {compute_dtype}; input gradient "
+                "through its dequantize_4bit")
     if mode == "w8a8" and stored == "int8":
         return "int8: w8a8, per-token int8 activations x int8 weight (torchao safe_int_mm), forward and input gradient"
     if mode == "w8a8":

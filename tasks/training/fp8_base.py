@@ -28,8 +28,8 @@ CASTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 def upcast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A stored weight in the compute dtype: fp8 cast, or a torchao tensor dequantized (quantized_base.py)."""
-    if type(weight).__name__ == "Int8Tensor":  # its .to keeps it int8
+    """A stored weight in the compute dtype: fp8 cast, or a torchao / bnb tensor dequantized (quantized_base.py)."""
+    if type(weight).__name__ in ("Int8Tensor", "BnbNF4"):  # their .to keeps them quantized
         return weight.dequantize(dtype)
     return weight.to(dtype)
 
@@ -65,6 +65,10 @@ class _LinearFromStorage(torch.autograd.Function):
         ctx.w8a8 = w8a8 and kernels.takes(w) and kernels.fits(x, w)
         if ctx.w8a8:
             return kernels.linear(x, w, bias)
+        if type(w).__name__ == "BnbNF4":  # model.matmul=bnb (nf4_kernel.py); backward's upcast is bnb's own
+            from tasks.training import nf4_kernel
+
+            return nf4_kernel.linear(x, w, bias, compute_dtype)
         return F.linear(x, upcast(w, compute_dtype), bias)
 
     @staticmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 from tasks.config import Config, stored_as, updated
 from tasks.config_schema import TrainConfig
 from tasks.runtime import cuda_available
+from tasks.training import w8a8
 
 GB = 1024 ** 3
 # Saved values per token x width, measured (bench/memory.json; 1024 px / 512 px):
@@ -33,7 +34,9 @@ RECOMPUTE_FACTOR = 22.5  # one block's internals while its recompute is held in 
 # Linear in flight, bytes per element inside fp8_base.upcast, its bf16 output included (torchao's NF4 decodes
 # through int64 indices; int8 through fp32), at the first block's backward, before the LoRA's gradients exist
 TRANSIENT_FACTOR = 13.0
-UPCAST_BYTES = {"float8_e4m3fn": 2.0, "float8_e5m2": 2.0, "int8": 7.0, "nf4": 14.05}
+# model.matmul=bnb (nf4_kernel.py): bnb's dequantize_4bit writes the bf16 weight at once (2) from its fp32 block scales
+# (4 per 64), no int64 indices; derived from its kernels, not measured (bench.memory_peak sees no bnb op's inside)
+UPCAST_BYTES = {"float8_e4m3fn": 2.0, "float8_e5m2": 2.0, "int8": 7.0, "nf4": 14.05, "nf4+bnb": 2.07}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
@@ -219,7 +222,8 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
         activations = blocks * per_block * unit
     largest = max((_numel(shapes[k]) for k, b in per_weight.items() if stored and k.endswith(".weight")
                    and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc.dtype]), default=0)
-    transient = max(TRANSIENT_FACTOR * unit, UPCAST_BYTES.get(stored, 0.0) * largest - lora * 4)
+    upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored
+    transient = max(TRANSIENT_FACTOR * unit, UPCAST_BYTES.get(upcast, 0.0) * largest - lora * 4)
     total = held_bytes + lora_bytes + activations + transient
     return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
             "activations_gb": activations / GB, "transient_gb": transient / GB, "total_gb": total / GB,

@@ -2,7 +2,8 @@
 
 - int8: torchao's `Int8Tensor` per output row, symmetric (Int8WeightOnlyConfig's default granularity, PerRow);
 - nf4: torchao's `NF4Tensor` (QLoRA's 4-bit NormalFloat with double-quantized block scales: blocks of 64,
-  scaler blocks of 256 or the largest power of two that divides the count; torchtune's QLoRA uses it).
+  scaler blocks of 256 or the largest power of two that divides the count; torchtune's QLoRA uses it); with
+  model.matmul resolved to bnb, bitsandbytes' NF4 instead, multiplied by its matmul_4bit (nf4_kernel.py).
 
 The quantized tensor replaces each frozen Linear's weight (a Parameter without grad), and the Linear runs
 through fp8_base's autograd Function, which saves only the stored tensor and dequantizes it in forward and
@@ -24,8 +25,13 @@ KINDS = ("none", "fp8", "int8", "nf4")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
-def quantize_weight(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """The stored form of a frozen weight, or None where the kind cannot hold it (NF4's block)."""
+def quantize_weight(weight: torch.Tensor, kind: str, matmul: str = "dequantize") -> torch.Tensor | None:
+    """The stored form of a frozen weight, or None where the kind cannot hold it (NF4's block; the same layers
+    whichever NF4 stores them). `matmul`: model.matmul resolved (w8a8.resolve)."""
+    if kind == "nf4" and matmul == "bnb":
+        from tasks.training import nf4_kernel
+
+        return None if weight.numel() % NF4_BLOCK else nf4_kernel.quantize(weight)
     if kind == "int8":
         from torchao.quantization import Int8Tensor, PerRow
 
@@ -42,7 +48,7 @@ def quantize_weight(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
 
 
 def is_quantized(weight: torch.Tensor) -> bool:
-    return type(weight).__name__ in ("Int8Tensor", "NF4Tensor")
+    return type(weight).__name__ in ("Int8Tensor", "NF4Tensor", "BnbNF4")
 
 
 class QuantizedHook(StorageCastHook):
@@ -61,9 +67,9 @@ class QuantizedHook(StorageCastHook):
 
 
 def quantize_base(model: torch.nn.Module, kind: str, compute_dtype: torch.dtype,
-                  skip_patterns: tuple[str, ...]) -> dict[str, list[str]]:
-    """Stores every frozen Linear of `model` not matched by `skip_patterns` as `kind`. Returns {"quantized":
-    paths, "kept": paths of the Linears the kind cannot hold}."""
+                  skip_patterns: tuple[str, ...], matmul: str = "dequantize") -> dict[str, list[str]]:
+    """Stores every frozen Linear of `model` not matched by `skip_patterns` as `kind` (in the format `matmul`
+    multiplies: quantize_weight). Returns {"quantized": paths, "kept": paths of the Linears the kind cannot hold}."""
     out = {"quantized": [], "kept": []}
     # on the GPU where there is one (seconds instead of minutes for a 20 B model, and no full-precision copy
     # of the model ever on it); the quantized weight stays there
@@ -73,7 +79,7 @@ def quantize_base(model: torch.nn.Module, kind: str, compute_dtype: torch.dtype,
             continue
         weight = module.weight.data
         # streamed in stored already (tasks/training/base_loading.py), or quantized here from the compute dtype
-        stored = weight if is_quantized(weight) else quantize_weight(weight.to(device, compute_dtype), kind)
+        stored = weight if is_quantized(weight) else quantize_weight(weight.to(device, compute_dtype), kind, matmul)
         if stored is None:
             out["kept"].append(path)
             continue

@@ -124,8 +124,9 @@ def _modulation(cfg: Config) -> dict:
         return {}
     return {"fp8_base": FP8_BASE_VERSION, **({"quantize": quantize} if quantize != "none" else {}),
             **({"storage_modulation": True} if cfg.model.storage_modulation else {}),
-            # activations quantized per token (tasks/training/w8a8.py): other numbers than the upcast weight's
-            **({"matmul": "w8a8"} if w8a8.resolve(cfg.model) == "w8a8" else {})}
+            # activations quantized per token (tasks/training/w8a8.py), or bitsandbytes' NF4 (nf4_kernel.py: its own
+            # double quantization): other numbers than the fallback's
+            **({"matmul": matmul} if (matmul := w8a8.resolve(cfg.model)) != "dequantize" else {})}
 
 
 def _sampling(cfg: Config) -> dict:

@@ -127,10 +127,11 @@ def prepare_denoiser(adapter, cfg: Config, stream: bool = True):
         loading.attach(denoiser)
     if stored in ("int8", "nf4"):
         # model.quantize: torchao's int8 / NF4 tensors as the frozen weights, dequantized inside the same
-        # autograd Function (tasks/training/quantized_base.py); the same layers as the fp8 base
+        # autograd Function (tasks/training/quantized_base.py); the same layers as the fp8 base. model.matmul=bnb:
+        # NF4 in bitsandbytes' format, multiplied by its matmul_4bit (tasks/training/nf4_kernel.py)
         from tasks.training.quantized_base import quantize_base
 
-        quantize_base(denoiser, stored, adapter.dtype, skip)
+        quantize_base(denoiser, stored, adapter.dtype, skip, w8a8.resolve(cfg.model))
     elif stored:
         # The frozen base weights stored in fp8, each cast to the compute dtype inside an autograd Function
         # that saves only the fp8 weight (tasks/training/fp8_base.py). Embeddings and norms keep the compute dtype (no

@@ -17,8 +17,14 @@ Float8Weight inference config in SimpleTuner. `auto` picks it on a CUDA GPU with
 compute capability 8.9+), the fallback elsewhere, and report.json's runtime.matmul names which ran. Shapes the
 kernels refuse (a side not a multiple of 16) run the fallback, layer by layer.
 
-The weights stay as stored: nothing here is saved for backward but the stored weight (fp8_base's Function)."""
+The weights stay as stored: nothing here is saved for backward but the stored weight (fp8_base's Function).
+
+model.matmul=bnb is an NF4 base's kernel path (bitsandbytes' matmul_4bit, tasks/training/nf4_kernel.py); resolve()
+names it here too, so one function says which path a run takes."""
 from __future__ import annotations
+
+import functools
+import importlib
 
 from tasks.config_schema import ModelConfig
 from tasks.lazy import lazy
@@ -26,7 +32,7 @@ from tasks.runtime import cuda_available
 
 torch = lazy("torch")  # resolve() runs in a no-op's key: no torch there without a GPU
 
-MODES = ("auto", "dequantize", "w8a8")
+MODES = ("auto", "dequantize", "w8a8", "bnb")
 INT8_MAX, E4M3_MAX, E5M2_MAX = 127.0, 448.0, 57344.0
 
 
@@ -45,11 +51,37 @@ def kind_of(mc: ModelConfig) -> str | None:
     return "fp8" if q == "none" and mc.storage_dtype == "float8_e4m3fn" else None
 
 
+BNB_MISSING = ("model.matmul=bnb needs bitsandbytes, which does not import here (pip install bitsandbytes==0.50.2, "
+               "constraints.txt's pin); or set model.matmul=dequantize (torchao's NF4, the fallback) or auto")
+
+
+def bnb_importable() -> bool:
+    """bitsandbytes imports: model.matmul=bnb runs wherever it does (its CPU backend has matmul_4bit too)."""
+    try:
+        importlib.import_module("bitsandbytes")
+    except (ImportError, RuntimeError):  # RuntimeError: a backend of it failed to load
+        return False
+    return True
+
+
+@functools.cache
+def bnb_kernel() -> bool:
+    """auto's test for an NF4 base: a CUDA GPU and bitsandbytes with its CUDA library loaded (its kernels; on the
+    CPU its path is a dequantize and a matmul as the fallback's, so auto keeps the fallback there)."""
+    if not cuda_available() or not bnb_importable():
+        return False
+    from bitsandbytes.cextension import lib
+
+    return type(lib).__name__ == "CudaBNBNativeLibrary"
+
+
 def resolve(mc: ModelConfig) -> str:
-    """The matmul a run of model config `mc` uses: "w8a8" or "dequantize" (auto: w8a8 where the GPU has the
-    kernel, else the fallback)."""
+    """The matmul a run of model config `mc` uses: "w8a8", "bnb" (an NF4 base) or "dequantize" (auto: the
+    kernel where the GPU has it, else the fallback)."""
     mode, kind = mc.matmul or "auto", kind_of(mc)
-    if kind is None or mode == "dequantize":
+    if (mc.quantize or "none") == "nf4":
+        return "bnb" if mode == "bnb" or mode == "auto" and bnb_kernel() else "dequantize"
+    if kind is None or mode in ("dequantize", "bnb"):  # bnb on an fp8 / int8 base: refused by config_checks
         return "dequantize"
     return "w8a8" if mode == "w8a8" or available(kind) else "dequantize"
 
