@@ -97,6 +97,11 @@ SETTINGS["tiny_hunyuan_video15"] = {"arch": {"num_attention_heads": 4, "attentio
                                     "clip": True}
 # LTX-2's video stream: the same clip (9 frames = 1 + 8k, 2 latent frames of 2x2 at 64 px), ltx-trainer's targets
 SETTINGS["tiny_ltx2"] = {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "clip": True}
+# Image-to-video (issue 47): the same clip, trained from its first frame (decoded from the mp4, as loraflow reads
+# it) and rendered by WanImageToVideoPipeline from that frame (--i in the prompts file)
+SETTINGS["tiny_wan_i2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
+SETTINGS["tiny_wan22_i2v+both"] = {**SETTINGS["tiny_wan22+both"], "i2v": True}
+SETTINGS["tiny_wan22_ti2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
@@ -138,6 +143,11 @@ def dataset(root: Path, model: str) -> Path:
         from tasks.data.clips import write_mp4
 
         write_mp4(training_clip(model), data / "img.mp4", fps=CLIP_FPS)
+        if SETTINGS[model].get("i2v"):  # rendered from the first frame loraflow reads (after H.264)
+            first_frame(data / "img.mp4").save(root / "first.png")
+            (root / "prompts.txt").write_text(caption + " --i first.png\n")
+            (data / "img.txt").write_text(caption + "\n")
+            return data
     else:
         img.save(data / "img.png")
     (data / "img.txt").write_text(caption + "\n")
@@ -147,6 +157,12 @@ def dataset(root: Path, model: str) -> Path:
         control.save(root / "control" / "img.png")
         (root / "prompts.txt").write_text(caption + " --i control/img.png\n")
     return data
+
+
+def first_frame(clip: Path) -> Image.Image:
+    from tasks.data.clips import read_frames
+
+    return Image.fromarray(read_frames(clip, 1)[0])
 
 
 def control_image(model: str) -> Image.Image | None:
@@ -225,6 +241,8 @@ def _call_kwargs(pipe) -> dict:
         kw["true_cfg_scale"] = 1.0
     if "max_sequence_length" in params:
         kw["max_sequence_length"] = 64 if type(pipe).__name__ == "Flux2Pipeline" else 32
+        if getattr(pipe, "image_encoder", None) is not None:  # Wan 2.1 I2V: its transformer reads 512 text keys
+            kw["max_sequence_length"] = 512
     if "frame_rate" in params:  # LTX-2: the clip's rate (its RoPE's time axis, as trained)
         kw["frame_rate"] = float(CLIP_FPS)
     return kw
@@ -245,7 +263,7 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
     try:
         edit = {} if control is None else (  # Kontext rescales to ~1 MP unless told; FLUX.2 takes a list
             dict(image=control, _auto_resize=False, max_area=SIZE * SIZE) if type(pipe).__name__ == "FluxKontextPipeline"
-            else dict(image=[control]))
+            else dict(image=control) if type(pipe).__name__ == "WanImageToVideoPipeline" else dict(image=[control]))
         if frames:  # a video pipeline
             edit["num_frames"] = frames
         pipe(prompt=prompt, height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
@@ -291,7 +309,8 @@ def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[
 
 def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
-    pipe = load_pipeline(base)
+    i2v = SETTINGS.get(model, {}).get("i2v")
+    pipe = load_pipeline(base, i2v)
     image, caption = training_image(model)
     clip = SETTINGS.get(model, {}).get("clip")
     if clip:  # the clip as decoded from its mp4 (what loraflow encoded), not the frames before H.264
@@ -303,12 +322,12 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
             decoded = read_frames(write_mp4(training_clip(model), Path(tmp) / "c.mp4", fps=CLIP_FPS), FRAMES)
         image = [Image.fromarray(f) for f in decoded]
     target = image_latent(pipe, image)
-    control = control_image(model)
+    control = image[0] if i2v else control_image(model)  # image-to-video: from the clip's first frame
     frames = FRAMES if clip else None
     err_base = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
-        pipe = load_pipeline(base)
+        pipe = load_pipeline(base, i2v)
         merge = (fmt == "kohya" and type(pipe).__name__ in MERGED) or fmt == "comfyui"
         loaders[fmt] = "merge" if merge else "load_lora_weights"
         if fmt == "lycoris":

@@ -17,10 +17,13 @@ def denoiser_of(pipe):
     return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
 
 
-def load_pipeline(base: Path):
-    from diffusers import DiffusionPipeline
+def load_pipeline(base: Path, i2v: bool = False):
+    """The base's own pipeline; `i2v`: WanImageToVideoPipeline, which reads Wan 2.2 TI2V-5B's WanPipeline folder."""
+    from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 
-    if json.loads((base / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline":
+    if i2v:
+        pipe = WanImageToVideoPipeline.from_pretrained(base, use_safetensors=True)
+    elif json.loads((base / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline":
         from tasks.models.qwenimage_edit import (
             vision_text_processor,  # see its docstring: no torchvision here
         )

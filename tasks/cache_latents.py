@@ -38,7 +38,8 @@ def _item_key(p: dict, plan: Plan, it: dict, image_digest: str) -> str:
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
     resize = {"resize_to": it["resize_to"]} if "resize_to" in it else {}  # a control at its family's size
     clip = {"clip": it["clip"]} if "clip" in it else {}  # a video clip: the frames taken and their rate
-    return key_of({**p, "size": it.get("size", plan.size), "image": image_digest, **flip, **resize, **clip})
+    cond = {"condition": it["condition"]} if "condition" in it else {}  # image-to-video: where from, for how long
+    return key_of({**p, "size": it.get("size", plan.size), "image": image_digest, **flip, **resize, **clip, **cond})
 
 
 MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
@@ -60,9 +61,12 @@ def latent_items(plan: Plan) -> list[dict]:
     for it in plan.items:
         size, to = list(it.get("size", plan.size)), list(control_size(*it.get("size", plan.size)))
         resize = {"resize_to": to} if to != size else {}
+        # image-to-video (tasks/data/first_frame.py): the condition of a clip this long, from its first frame
+        # (at the clip's rate) or from the image beside it
+        cond = {"condition": {**it["i2v"], **it["clip"]}} if "i2v" in it else {}
         for k, (path, digest) in enumerate(it.get("controls", [])):
             out.append({"name": controls.item_name(it["name"], k), "image": path, "image_digest": digest,
-                        **{f: it[f] for f in ("size", "flip_of") if f in it}, **resize})
+                        **{f: it[f] for f in ("size", "flip_of") if f in it}, **resize, **cond})
     return out
 
 
@@ -80,6 +84,7 @@ def inputs(cfg: Config, plan: Plan) -> dict:
             **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
             **{f"flip:{it['name']}": "horizontal" for it in items if "flip_of" in it},
             **{f"clip:{it['name']}": it["clip"] for it in items if "clip" in it},
+            **{f"condition:{it['name']}": it["condition"] for it in items if "condition" in it},
             **{MASK + it["name"]: [it["mask_kind"], it["mask_digest"]] for it in plan.items if "mask" in it}}
 
 
@@ -98,6 +103,8 @@ def _pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str
     digest of the bytes decoded. A clip's frames go through the image path one by one: [3, F, H, W]."""
     if "clip" in batch[0]:
         return _clip_pixels(batch, size)
+    if "condition" in batch[0]:
+        return _condition_pixels(batch, size)
     read = [read_image(it["image"]) for it in batch]
     # a flipped twin is mirrored before the resize and crop: its geometry is that of the image it trains on
     read = [(ImageOps.mirror(img) if "flip_of" in it else img, d) for (img, d), it in zip(read, batch)]
@@ -124,12 +131,32 @@ def _clip_pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], lis
     return torch.stack(out), [{} for _ in batch], digests
 
 
+def _condition_pixels(batch: list[dict], size) -> tuple[torch.Tensor, list[dict], list[str]]:
+    """Each clip's condition image fitted as its clip's frames are (a first frame, or the image beside it):
+    pixels [B, 3, H, W], and per item {"image": the fitted PIL image} (what a sampler is given, for encoders
+    with their own preprocessing: Wan 2.1's CLIP)."""
+    out, geometry, digests = [], [], []
+    for it in batch:
+        if it["condition"]["from"] == "first_frame":
+            frames, digest = clips.read_clip(it["image"], 1, it["condition"]["fps"])
+            img = Image.fromarray(frames[0])
+        else:
+            img, digest = read_image(it["image"])
+        img = ImageOps.mirror(img) if "flip_of" in it else img
+        pixels, _ = image_to_tensor_and_geometry(img, *it.get("size", size))
+        out.append(pixels)
+        geometry.append({"image": controls.fitted_image(img, *it.get("size", size))})
+        digests.append(digest)
+    return torch.stack(out), geometry, digests
+
+
 def batches_of(todo: list[dict], batch_size: int) -> list[list[dict]]:
     """Batches of one shape: items by (size, frames) in first-seen order, then chunked (a batch of clips of
     different lengths, or of a clip and an image, cannot stack)."""
     groups: dict = {}
     for it in todo:
-        groups.setdefault((tuple(it.get("size", ())), "clip" in it, video.frames_of(it)), []).append(it)
+        groups.setdefault((tuple(it.get("size", ())), "clip" in it, video.frames_of(it),
+                           str(it.get("condition"))), []).append(it)
     return [b for group in groups.values() for b in chunks(group, batch_size)]
 
 
@@ -158,9 +185,16 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
         not_finite, edited, p = [], [], params(cfg, plan)
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch, (pixels, geometry, digests) in progress(zip(batches, loaded), "cache_latents", len(batches)):
-                latents = adapter.encode_latents(vae, pixels)
+                if "condition" in batch[0]:  # image-to-video: the clip's condition (tasks/data/first_frame.py)
+                    encoder = load_once(models, (KIND, "condition", key_of(plan.ids), cfg.model.dtype),
+                                        adapter.load_condition_encoder)
+                    latents = adapter.encode_condition(vae, encoder, pixels, [g.pop("image") for g in geometry],
+                                                       batch[0]["condition"]["frames"])
+                else:
+                    latents = adapter.encode_latents(vae, pixels)
                 for it, z, geom, digest in zip(batch, latents, geometry, digests):
-                    if not torch.isfinite(z).all():  # never cached: training on it would give NaN losses
+                    if not all(torch.isfinite(t).all() for t in (z.values() if isinstance(z, dict) else [z])):
+                        # never cached: training on it would give NaN losses
                         not_finite.append(it["name"])
                         continue
                     key = keys[it["name"]]
@@ -170,8 +204,8 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
                     extra = geom if adapter.size_conditioning else {}
                     if adapter.clips:  # the frame rate the latent was taken at (LTX-2's RoPE reads it in training)
                         extra = {"fps": torch.tensor(float(it["clip"]["fps"] if "clip" in it else adapter.clips.default_fps))}
-                    writes.submit(store.put_tensors, KIND, key, {"latents": z, **extra},
-                                  meta={"image": it["name"]}, recomputable=True)
+                    tensors = z if isinstance(z, dict) else {"latents": z, **extra}
+                    writes.submit(store.put_tensors, KIND, key, tensors, meta={"image": it["name"]}, recomputable=True)
         log.info("cache_latents: encoded %d image(s), reused %d", len(todo), len(status.reused))
         del vae
         if edited:

@@ -7,7 +7,7 @@ import importlib.util
 
 from tasks.config import Config, ConfigError
 from tasks.config_schema import TrainConfig
-from tasks.data import augment, controls, subsets, video
+from tasks.data import augment, controls, first_frame, subsets, video
 from tasks.data.sizes import resolve_size
 from tasks.models import adapter_class
 from tasks.models.lora_variants import text_encoder_lora as te_lora
@@ -194,7 +194,7 @@ def config_errors(cfg: Config) -> list[str]:
     errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg.data)
     errors += validation.errors(cfg)
     errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg.data, cfg.model.family, adapter_cls)
-    errors += video.errors(cfg, adapter_cls)
+    errors += video.errors(cfg, adapter_cls) + first_frame.errors(cfg, adapter_cls)
     if cfg.data.random_crop:
         errors.append("data.random_crop=true: latents are cached once per image (center crop), so a crop drawn "
                       "anew each step cannot come from the cache; use data.buckets=true to keep each image's "

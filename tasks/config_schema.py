@@ -77,6 +77,9 @@ class DataConfig:
     alpha_mask: bool = False
     # Edit pairs (tasks/data/controls.py): control images by the target's stem, one folder per reference
     control_dirs: List[str] = field(default_factory=list)
+    # Image-to-video families (tasks/data/first_frame.py): each clip's condition image, first_frame (null: the
+    # default) or beside (a same-stem image next to the clip)
+    condition_image: Optional[str] = None
     # Video families (tasks/data/video.py): frames per clip sample (1 + 4k for Wan's VAE; a shorter clip trains
     # at what it has, its frame bucket) and the rate clips are resampled to (null: each clip's own)
     frames: int = 17

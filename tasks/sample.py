@@ -64,7 +64,8 @@ def render(adapter, pipe, texts: tuple, s: dict, prompt: dict):
     images = [controls.fitted(f, s["width"], s["height"]) for f, _ in prompt.get("images", [])]
     image = adapter.sample(pipe, *(on_pipeline_device(pipe, t) for t in texts), **s,
                            **({"controls": images} if images else {}))
-    return controls.beside(images, image) if images else image
+    # a clip rendered from its first frame starts with it: saved as rendered
+    return controls.beside(images, image) if images and not isinstance(image, Video) else image
 
 
 def item_keys(cfg: Config, plan: Plan, lora_key: str, text_keys: dict[str, str]) -> dict[str, str]:

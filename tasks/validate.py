@@ -10,7 +10,7 @@ from collections import Counter
 
 from tasks.config import Config, ConfigError
 from tasks.config_schema import DataConfig
-from tasks.data import augment, controls, masks, subsets, video
+from tasks.data import augment, controls, first_frame, masks, subsets, video
 from tasks.data.dataset import SHARED_CAPTION, SKIPPED
 from tasks.data.image_memo import ImageMemo
 from tasks.data.prompts import read_prompts
@@ -93,6 +93,8 @@ def _read_dataset(dc: DataConfig, store: Store, adapter_cls) -> tuple[list, list
         memo.save(lambda path, data: store.write_small(path, data, f"the image memo {path.name}"))
     items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]
     findings = sorted((f for _, check in checked for f in check.findings), key=lambda f: (f.file, f.reason))
+    if first_frame.enabled(adapter_cls):
+        findings = first_frame.without_pair_notes(findings, items)
     dataset = [dataclasses.asdict(f) for f in findings]
     return items, dataset, [s.report(len(check.items)) for s, check in checked], layout_warnings
 
@@ -137,6 +139,13 @@ def _plan_items(cfg: Config, items: list, dataset: list[dict], adapter_cls, size
                    "caption": it.caption, **({"repeats": s.repeats} if s.repeats != 1 else {}),
                    **({"is_reg": True} if s.is_reg else {})} for it, name, s in items]
     video.attach(dc, plan_items, [it for it, _, _ in items], adapter_cls.clips)  # each clip's frames and rate
+    if first_frame.enabled(adapter_cls):  # image-to-video: each clip's condition image, as its control
+        plan_items, left_out, errs = first_frame.attach(dc, plan_items, items)
+        if errs:
+            raise ConfigError(f"image-to-video: {len(errs)} clip(s) cannot train:\n  " + "\n  ".join(errs))
+        kept = {e["name"] for e in plan_items}
+        items = [t for t in items if t[1] in kept]
+        dataset = sorted(dataset + left_out, key=lambda f: (f["file"], f["reason"]))
     for attach in ([masks.attach] if masks.enabled(dc) else []) + ([controls.attach] if dc.control_dirs else []):
         plan_items, left_out = attach(dc, plan_items, items)  # each item's mask / control images
         kept = {e["name"] for e in plan_items}

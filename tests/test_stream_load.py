@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +20,16 @@ from tasks.store import Store
 from tasks.training import train_setup
 from tasks.training.base_loading import plan_loading
 
+REPO = Path(__file__).resolve().parents[1]
 KINDS = ["none", "fp8", "int8", "nf4"]
 
 
 def _family(family: str, root, expert=None):
-    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=32,
+    import yaml
+
+    # the tiny model's own text length (Wan 2.1 I2V's transformer takes 512 text keys, the others 32 here)
+    tokens = yaml.safe_load((REPO / "conf" / "model" / f"tiny_{family}.yaml").read_text())["max_sequence_length"]
+    model = ModelConfig(family=family, path=None, seed=0, arch={}, dtype="bfloat16", max_sequence_length=tokens,
                         storage_dtype=None, storage_modulation=False, quantize="none", expert=expert)
     return model, resolve_model(model, Store(root))
 

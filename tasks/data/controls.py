@@ -37,7 +37,7 @@ def errors(dc: DataConfig, family: str, adapter_cls) -> list[str]:
         return [f"data.control_dirs has {len(dirs)} folders; model.family={family} takes at most {max_controls} "
                 "control image(s) per sample"]
     out = []
-    if not dirs and adapter_cls.controls.required:
+    if not dirs and adapter_cls.controls.required and not adapter_cls.controls.first_frame:
         out.append(f"model.family={family} edits an image: set data.control_dirs=[DIR] (control images by the "
                    "targets' stems)")
     if dc.flip_aug and adapter_cls.controls.seen_by_text:  # a twin's text would need its mirrored controls
@@ -103,7 +103,8 @@ def prompt_errors(prompts: list[dict], cfg: Config, size, adapter_cls) -> list[s
     out, family, sc = [], cfg.model.family, cfg.sample
     takes = adapter_cls.controls
     if takes.required:
-        out += [f"sample.prompts_file={sc.prompts_file}:{p['line']}: model.family={family} edits an image: give "
+        does = "renders a clip from its first frame" if takes.first_frame else "edits an image"
+        out += [f"sample.prompts_file={sc.prompts_file}:{p['line']}: model.family={family} {does}: give "
                 "it one with --i PATH" for p in prompts if not p.get("images")]
     for p in (p for p in prompts if p.get("images")):
         where = f"sample.prompts_file={sc.prompts_file}:{p['line']}: --i"
@@ -120,9 +121,24 @@ def prompt_errors(prompts: list[dict], cfg: Config, size, adapter_cls) -> list[s
     return out
 
 
+def stacked(per_item: list[list[dict]]) -> dict:
+    """The control entries of a batch's items (each a list of stored dicts, one per control) as the adapters read
+    them: "control_latents" [B, K, ...] and, for what else an entry holds (Wan 2.1 I2V's CLIP image embedding),
+    "control_<name>" [B, K, ...]."""
+    import torch
+
+    return {("control_latents" if name == "latents" else f"control_{name}"):
+            torch.stack([torch.stack([entry[name] for entry in entries]) for entries in per_item])
+            for name in per_item[0][0]}
+
+
 def fitted(path: str, width: int, height: int) -> Image.Image:
     """A control image resized to cover (width, height) and centre-cropped, as its target trains (bicubic)."""
-    return cover_crop(load_image(path), width, height)[0]
+    return fitted_image(load_image(path), width, height)
+
+
+def fitted_image(img: Image.Image, width: int, height: int) -> Image.Image:
+    return cover_crop(img, width, height)[0]
 
 
 def resized(img: Image.Image, size, resize_to) -> Image.Image:

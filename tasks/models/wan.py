@@ -22,16 +22,16 @@ _SAFE = dict(use_safetensors=True)
 _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 
 
-_W = r"blocks\.(\d+)\."
+WAN_BLOCK = r"blocks\.(\d+)\."
 # The kohya file's names: Wan's original modules (musubi-tuner's networks.lora_wan; diffusers' WanPipeline converts
 # them, expecting all ten Linears of every block; ComfyUI maps them by its generic rule)
 KOHYA_RULES = (
-    (_W + r"attn1\.to_q", "blocks_{}_self_attn_q", 1), (_W + r"attn1\.to_k", "blocks_{}_self_attn_k", 1),
-    (_W + r"attn1\.to_v", "blocks_{}_self_attn_v", 1), (_W + r"attn1\.to_out\.0", "blocks_{}_self_attn_o", 1),
-    (_W + r"attn2\.to_q", "blocks_{}_cross_attn_q", 1), (_W + r"attn2\.to_k", "blocks_{}_cross_attn_k", 1),
-    (_W + r"attn2\.to_v", "blocks_{}_cross_attn_v", 1), (_W + r"attn2\.to_out\.0", "blocks_{}_cross_attn_o", 1),
-    (_W + r"ffn\.net\.0\.proj", "blocks_{}_ffn_0", 1),
-    (_W + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
+    (WAN_BLOCK + r"attn1\.to_q", "blocks_{}_self_attn_q", 1), (WAN_BLOCK + r"attn1\.to_k", "blocks_{}_self_attn_k", 1),
+    (WAN_BLOCK + r"attn1\.to_v", "blocks_{}_self_attn_v", 1), (WAN_BLOCK + r"attn1\.to_out\.0", "blocks_{}_self_attn_o", 1),
+    (WAN_BLOCK + r"attn2\.to_q", "blocks_{}_cross_attn_q", 1), (WAN_BLOCK + r"attn2\.to_k", "blocks_{}_cross_attn_k", 1),
+    (WAN_BLOCK + r"attn2\.to_v", "blocks_{}_cross_attn_v", 1), (WAN_BLOCK + r"attn2\.to_out\.0", "blocks_{}_cross_attn_o", 1),
+    (WAN_BLOCK + r"ffn\.net\.0\.proj", "blocks_{}_ffn_0", 1),
+    (WAN_BLOCK + r"ffn\.net\.2", "blocks_{}_ffn_2", 1),
 )
 
 
@@ -79,10 +79,14 @@ class WanAdapter(TransformerAdapter):
         return (z - mean) / std
 
     # -- text ------------------------------------------------------------------------------------
+    # WanPipeline's encode_prompt for every Wan model, image-to-video too: the same T5 states, without loading
+    # an image-to-video pipeline's image encoder
+    text_pipeline_cls = LazyClass("diffusers", "WanPipeline")
+
     def load_text_encoders(self):
-        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, vae=None,
-                                                 **({"transformer_2": None} if self._has_expert_2() else {}),
-                                                 **_SAFE).to(self.device)
+        return self.text_pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, vae=None,
+                                                      **({"transformer_2": None} if self._has_expert_2() else {}),
+                                                      **_SAFE).to(self.device)
 
     def _has_expert_2(self) -> bool:
         return (self.model_dir / "transformer_2").is_dir()
@@ -121,13 +125,15 @@ class WanAdapter(TransformerAdapter):
     # -- sampling --------------------------------------------------------------------------------
     @no_grad
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed,
-               generator_device="cpu", frames=1, fps=16.0):
+               generator_device="cpu", frames=1, fps=16.0, controls=()):
         # Real CFG at `guidance` against the prompt's negative, else the cached empty prompt (the pipeline
         # cannot encode "" without its text encoder); `true_cfg` is unused. Frames 1 + 4k (the VAE's rule).
+        # Image-to-video (tasks/models/wan_i2v.py): `controls` = the first frame, fitted to (width, height).
         uncond = negative if negative is not None else empty
         generator = self.make_generator(pipe, seed, generator_device)
         out = pipe(prompt_embeds=prompt["prompt_embeds"][None].to(self.dtype),
                    negative_prompt_embeds=uncond["prompt_embeds"][None].to(self.dtype),
+                   **({"image": controls[0]} if controls else {}),
                    guidance_scale=guidance, width=width, height=height, num_frames=frames,
                    num_inference_steps=steps, max_sequence_length=self.max_sequence_length, generator=generator,
                    output_type="np").frames[0]

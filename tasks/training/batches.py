@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks import cache_latents, cache_text
-from tasks.data import augment
+from tasks.data import augment, controls
 from tasks.items import Memo
 from tasks.lazy import lazy
 from tasks.models.lora_variants import text_encoder_lora as te_lora
@@ -160,8 +160,6 @@ class BatchLoader:
     @staticmethod
     def control_keys_of(items: list[dict], latent_keys: dict) -> list[list[str]]:
         """Edit pairs: each item's control latents (tasks/data/controls.py); [] for an item without."""
-        from tasks.data import controls
-
         return [[latent_keys[controls.item_name(it["name"], k)] for k in range(len(it.get("controls", [])))]
                 for it in items]
 
@@ -175,8 +173,8 @@ class BatchLoader:
         stored = [self.latents[idx[j]] for j in mine]  # the size conditioning stored with a latent joins the text
         text.update(stack([{k: v for k, v in d.items() if k != "latents"} for d in stored]))
         if self.control_keys[idx[0]]:  # [B, K, C, h, w]: the adapter packs them beside the noisy latents
-            text["control_latents"] = torch.stack([torch.stack([self.store.get_tensors(cache_latents.KIND, k)["latents"]
-                                                                for k in self.control_keys[idx[j]]]) for j in mine])
+            text.update(controls.stacked([[self.store.get_tensors(cache_latents.KIND, k) for k in self.control_keys[idx[j]]]
+                                          for j in mine]))
         item_weights = [self.weights[idx[j]] for j in mine]
         mask = (torch.stack([self.store.get_tensors(cache_latents.KIND, self.mask_keys[idx[j]])["mask"] for j in mine])
                 if self.mask_keys[idx[0]] else None)

@@ -12,6 +12,7 @@ import math
 
 from tasks.config import Config, ConfigError
 from tasks.config_schema import TrainConfig
+from tasks.data.controls import stacked
 from tasks.store.hashing import key_int, key_of
 from tasks.lazy import lazy
 
@@ -60,9 +61,9 @@ def errors(cfg: Config) -> list[str]:
 
 
 def held_controls(store, kind: str, items: list[dict], control_keys: list[list[str]], held: list[str]) -> list[list]:
-    """Each held-out item's control latents (edit pairs; [] without), in `held`'s order."""
+    """Each held-out item's control entries (edit pairs, image-to-video; [] without), in `held`'s order."""
     keys = {it["name"]: ks for it, ks in zip(items, control_keys)}
-    return [[store.get_tensors(kind, k)["latents"] for k in keys[n]] for n in held]
+    return [[store.get_tensors(kind, k) for k in keys[n]] for n in held]
 
 
 def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: TrainConfig, scheduler,
@@ -86,7 +87,7 @@ def score(adapter, denoiser, accelerator, names: list[str], latents, texts, tc: 
                 text.update({k: torch.stack([v] * len(gens)) for k, v in stored.items() if k != "latents"})
                 batch = torch.stack([stored["latents"]] * len(gens)).to(accelerator.device, adapter.dtype)
                 if controls and controls[i]:  # [draws, K, C, h, w], as training batches them
-                    text["control_latents"] = torch.stack([torch.stack(controls[i])] * len(gens))
+                    text.update(stacked([controls[i]] * len(gens)))
                 text = {k: v.to(accelerator.device) for k, v in text.items()}
                 with accelerator.autocast():
                     loss = adapter.training_loss(denoiser, batch, text, tc, scheduler, gens)

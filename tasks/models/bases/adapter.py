@@ -96,6 +96,9 @@ class Controls:
     # The text encoder sees the control images (Qwen-Image-Edit): encode_text takes `images` (per text, its
     # controls as fitted to the target) and a text's cache key names them (tasks/cache_text.py)
     seen_by_text: bool = False
+    # Image-to-video: the control is each clip's first frame (or a same-stem image, data.condition_image), encoded
+    # by the adapter's `encode_condition` (tasks/data/first_frame.py); its `sample` renders a clip from it
+    first_frame: bool = False
 
 
 class FamilyAdapter(ABC):

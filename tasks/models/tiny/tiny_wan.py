@@ -26,7 +26,7 @@ WAN_ARCH: dict = {
 }
 
 
-def _parts(a: dict, seeded) -> dict:
+def wan_parts(a: dict, seeded) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -55,7 +55,7 @@ def build_tiny_wan(out_dir: str | Path, seed: int = 0, arch: dict | None = None)
 
     a = resolve_arch(WAN_ARCH, arch)
     seeded = seeder(seed, 4)
-    parts = _parts(a, seeded)
+    parts = wan_parts(a, seeded)
     parts["transformer"] = seeded(2, parts["transformer"])
     WanPipeline(**parts).save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
@@ -67,7 +67,7 @@ def build_tiny_wan22(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
 
     a = resolve_arch(WAN_ARCH, arch)
     seeded = seeder(seed, 4)
-    parts = _parts(a, seeded)
+    parts = wan_parts(a, seeded)
     build = parts.pop("transformer")
     WanPipeline(**parts, transformer=seeded(2, build), transformer_2=seeded(3, build),
                 boundary_ratio=a["boundary_ratio"]).save_pretrained(out_dir, safe_serialization=True)

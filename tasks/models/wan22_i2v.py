@@ -1,0 +1,14 @@
+"""Wan 2.2 I2V-A14B: Wan 2.2's two experts (model.expert: high, low or both; tasks/models/wan22.py) on 36 input
+channels, conditioned as Wan 2.1 I2V without the CLIP image states (tasks/models/wan_i2v.py)."""
+from __future__ import annotations
+
+from tasks.models.bases.adapter import KohyaLayout
+from tasks.models.wan import KOHYA_RULES
+from tasks.models.wan22 import Wan22Adapter
+from tasks.models.wan_i2v import FirstFrameConcat
+
+
+class Wan22I2VAdapter(FirstFrameConcat, Wan22Adapter):
+    """Wan 2.2 I2V-A14B: the two experts of Wan 2.2 (model.expert), 36 input channels, no image encoder."""
+    family = "wan22_i2v"
+    kohya = KohyaLayout("networks.lora_wan", "wan2.2_i2v", rules=KOHYA_RULES, lycoris_names="comfyui")

@@ -1,0 +1,51 @@
+"""Wan 2.2 TI2V-5B trained image-to-video, as diffusers' WanImageToVideoPipeline samples it with expand_timesteps
+(pipelines/wan/pipeline_wan_i2v.py: `first_frame_mask` in prepare_latents and the denoising loop): the first latent
+frame of the noisy input is the clean latent of the given image (encoded alone), its tokens get timestep 0, and the
+pipeline throws its prediction away, so the loss is on the frames after it. The model is the Wan 2.2 VAE's (48
+channels, /16 in space). The condition is cached per clip like Wan 2.1's (tasks/models/wan_i2v.py)."""
+from __future__ import annotations
+
+from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.bases.adapter import Controls, KohyaLayout
+from tasks.models.bases.flow_matching import weighted_loss
+from tasks.models.wan import KOHYA_RULES, WanAdapter
+
+torch = lazy("torch")
+
+
+class Wan22TI2VAdapter(WanAdapter):
+    """Wan 2.2 TI2V-5B: the first latent frame replaced by the clean condition, its tokens at timestep 0."""
+    family = "wan22_ti2v"
+    kohya = KohyaLayout("networks.lora_wan", "wan2.2_ti2v", rules=KOHYA_RULES, lycoris_names="comfyui")
+    controls = Controls(most=1, required=True, first_frame=True)
+    pipeline_cls = LazyClass("diffusers", "WanImageToVideoPipeline")  # loads the repository's WanPipeline folder
+    size_multiple = 32  # the Wan 2.2 VAE's /16, then 2x2 patches
+
+    @staticmethod
+    def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
+        w, h = size
+        pt, ph, pw = config["patch_size"]
+        tokens = ((1 + (frames - 1) // 4) // pt) * (h // (16 * ph)) * (w // (16 * pw))
+        return tokens, config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
+
+    def load_condition_encoder(self):
+        return None
+
+    @no_grad
+    def encode_condition(self, vae, encoder, pixels, images, frames: int) -> list[dict]:
+        """The first frame encoded alone (the pipeline's `video_condition = image`): [C, 1, h, w] per clip."""
+        return [{"latents": z} for z in self.encode_latents(vae, pixels[:, :, None])]
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        noisy, noise, timesteps, sigmas = self.draw(latents, train_cfg, scheduler, generators)
+        cond = text["control_latents"][:, 0].to(latents.dtype)
+        noisy = torch.cat([cond, noisy[:, :, 1:]], dim=2)  # (1 - mask) * condition + mask * latents
+        pt, ph, pw = transformer.config.patch_size
+        f, h, w = latents.shape[2:]
+        per_frame = (h // ph) * (w // pw)
+        t = timesteps.to(latents.dtype)[:, None].repeat(1, (f // pt) * per_frame)
+        t[:, :per_frame] = 0  # the pipeline's first_frame_mask[:, ::2, ::2] * t: the given frame is clean
+        pred = transformer(hidden_states=noisy, timestep=t, encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),
+                           return_dict=False)[0]
+        target = noise - latents
+        return weighted_loss(pred[:, :, 1:], target[:, :, 1:], sigmas, train_cfg)  # the frames it predicts

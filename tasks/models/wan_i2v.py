@@ -1,0 +1,101 @@
+"""Wan image-to-video: a clip trains with its first frame as the condition, fed to the transformer exactly as
+diffusers' WanImageToVideoPipeline feeds it while sampling (pipelines/wan/pipeline_wan_i2v.py, `prepare_latents`
+and the denoising loop):
+
+- Wan 2.1 I2V-14B and Wan 2.2 I2V-A14B: the VAE latent of (first frame, then zeros up to the clip's length),
+  normalised like the clip's, behind a 4-channel mask that is 1 on the first latent frame (the first frame's four
+  VAE frames) and 0 after; concatenated to the noisy latents on the channels (16 + 4 + 16 = 36). Wan 2.1 adds the
+  first frame's CLIP image states (the penultimate layer, `encode_image`) as `encoder_hidden_states_image`. The
+  whole clip is noised and trained against the velocity noise - latents, first frame included; the condition
+  stays clean. musubi-tuner trains it the same way (wan_cache_latents.py `encode_and_save_batch`: the mask and
+  the zero-padded first-frame latent as `y`, the first frame's CLIP context; wan_train_network.py: `y` and
+  `clip_fea` beside the noisy input, target noise - latents).
+- Wan 2.2 TI2V-5B (expand_timesteps): the first latent frame of the noisy input is the clean first-frame latent,
+  and its tokens get timestep 0 (the pipeline's `first_frame_mask`); the pipeline throws away the prediction on
+  that frame, so the loss is on the frames after it.
+
+The condition is cached per clip by cache_latents (tasks/data/first_frame.py) as a control entry; training reads
+it as text["control_latents"] ([B, 1, C, F, h, w]) and Wan 2.1's text["control_image_embeds"]. Wan 2.2's adapters:
+wan22_i2v.py (A14B, this concatenation) and wan22_ti2v.py."""
+from __future__ import annotations
+
+from tasks.lazy import LazyClass, lazy, no_grad
+from tasks.models.bases.adapter import Controls, KohyaLayout
+from tasks.models.bases.flow_matching import weighted_loss
+from tasks.models.wan import KOHYA_RULES, WanAdapter, WAN_BLOCK
+
+torch = lazy("torch")
+
+# Wan 2.1 I2V's cross-attention also reads the image tokens through its own key/value Linears (Wan's
+# cross_attn.k_img / v_img, diffusers' attn2.add_k_proj / add_v_proj): musubi-tuner's lora_wan targets them too
+# (every Linear of WanAttentionBlock), and diffusers' Wan LoRA conversion maps k_img / v_img to them.
+I2V_KOHYA_RULES = KOHYA_RULES + ((WAN_BLOCK + r"attn2\.add_k_proj", "blocks_{}_cross_attn_k_img", 1),
+                                 (WAN_BLOCK + r"attn2\.add_v_proj", "blocks_{}_cross_attn_v_img", 1))
+
+
+class FirstFrameConcat:
+    """Wan 2.1 / 2.2 A14B I2V: the mask and the first-frame latent concatenated to the noisy latents."""
+    controls = Controls(most=1, required=True, first_frame=True)
+    pipeline_cls = LazyClass("diffusers", "WanImageToVideoPipeline")
+    image_encoder = False  # Wan 2.1: the CLIP image states of the first frame
+
+    def load_condition_encoder(self):
+        """The first frame's image encoder and its processor (Wan 2.1), as the pipeline holds them; None."""
+        if not self.image_encoder:
+            return None
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        processor = CLIPImageProcessor.from_pretrained(self.model_dir, subfolder="image_processor")
+        encoder = CLIPVisionModel.from_pretrained(self.model_dir, subfolder="image_encoder", dtype=self.dtype,
+                                                  use_safetensors=True)
+        return processor, encoder.to(self.device).eval()
+
+    @no_grad
+    def encode_condition(self, vae, encoder, pixels, images, frames: int) -> list[dict]:
+        """pixels [B, 3, H, W] in [-1, 1] (each clip's first frame as it trains; `images`: the same as PIL images)
+        -> per clip {"latents": [4 + C, F', h, w]} (and "image_embeds" [tokens, width] with an image encoder)."""
+        b, _, h, w = pixels.shape
+        video = torch.cat([pixels[:, :, None], pixels.new_zeros(b, 3, frames - 1, h, w)], dim=2)
+        z = self.encode_latents(vae, video)
+        mask = torch.zeros_like(z[:, :4])
+        mask[:, :, 0] = 1  # the pipeline's mask_lat_size: the first frame's four VAE frames are given
+        out = [{"latents": y} for y in torch.cat([mask, z], dim=1)]
+        if encoder is not None:
+            processor, model = encoder
+            inputs = processor(images=list(images), return_tensors="pt").to(model.device)
+            states = model(**{k: v.to(model.dtype) for k, v in inputs.items()}, output_hidden_states=True).hidden_states[-2]
+            for entry, e in zip(out, states):
+                entry["image_embeds"] = e
+        return out
+
+    def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
+        noisy, noise, timesteps, sigmas = self.draw(latents, train_cfg, scheduler, generators)
+        cond = text["control_latents"][:, 0].to(latents.dtype)
+        embeds = text.get("control_image_embeds")
+        pred = transformer(hidden_states=torch.cat([noisy, cond], dim=1), timestep=timesteps.to(latents.dtype),
+                           encoder_hidden_states=text["prompt_embeds"].to(latents.dtype),
+                           encoder_hidden_states_image=None if embeds is None else embeds[:, 0].to(latents.dtype),
+                           return_dict=False)[0]
+        return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target, every frame
+
+
+class WanI2VAdapter(FirstFrameConcat, WanAdapter):
+    """Wan 2.1 I2V-14B (480P / 720P): one transformer, the CLIP image encoder."""
+    family = "wan_i2v"
+    kohya = KohyaLayout("networks.lora_wan", "wan2.1_i2v", rules=I2V_KOHYA_RULES, lycoris_names="comfyui")
+    image_encoder = True
+    TEXT_TOKENS = 512  # diffusers' WanAttnProcessor takes the keys before the last 512 as the image's (hard-coded)
+    # the first frame's CLIP states are cached with the condition, and the sampler encodes its --i image with them
+    latent_components = ("vae", "image_encoder", "image_processor")
+    sample_components = ("transformer", "vae", "scheduler", "image_encoder", "image_processor")
+    def configure(self, model_cfg):
+        super().configure(model_cfg)
+        if self.max_sequence_length != self.TEXT_TOKENS:
+            from tasks.config import ConfigError
+
+            raise ConfigError(f"model.max_sequence_length={self.max_sequence_length}: Wan 2.1 I2V's cross-attention "
+                              f"reads the last {self.TEXT_TOKENS} keys as the text and the ones before as the image "
+                              f"(diffusers' WanAttnProcessor); set model.max_sequence_length={self.TEXT_TOKENS}")
+
+    LORA_TARGETS = (r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0|add_k_proj|"
+                    r"add_v_proj))|.*blocks\.\d+\.ffn\.net\.(0\.proj|2)")
