@@ -38,9 +38,12 @@ HV15 = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "att
         "attn.to_add_out": ("txt_attn.proj", 0), "ff.net.0.proj": ("img_mlp.0", 0), "ff.net.2": ("img_mlp.2", 0),
         "ff_context.net.0.proj": ("txt_mlp.0", 0), "ff_context.net.2": ("txt_mlp.2", 0),
         "norm1.linear": ("img_mod.lin", 0), "norm1_context.linear": ("txt_mod.lin", 0)}
+# Wan 2.1 I2V's image key/value Linears: comfy/ldm/wan/model.py WanI2VCrossAttention k_img / v_img (diffusers'
+# attn2.add_k_proj / add_v_proj, by the same converter)
 _WAN = {"attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o",
-        "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
-_WAN_RE = r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))"
+        "add_k_proj": "k_img", "add_v_proj": "v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+_WAN_RE = r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0|add_[kv]_proj)|ffn\.net\.(0\.proj|2))"
+_WANS = ("wan", "wan22", "wan_i2v", "wan22_i2v", "wan22_ti2v")  # one ComfyUI model class (WAN21 and its subclasses)
 _LTX_RE = r"transformer_blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2))"
 
 
@@ -51,7 +54,7 @@ def comfy_keys(family: str, den: torch.nn.Module) -> tuple[dict, dict]:
     for n, m in den.named_modules():
         if not isinstance(m, torch.nn.Linear):
             continue
-        if family in ("wan", "wan22") and re.fullmatch(_WAN_RE, n):
+        if family in _WANS and re.fullmatch(_WAN_RE, n):
             key, slot = n, 0
             for d, o in _WAN.items():
                 key = key.replace(f".{d}", f".{o}")

@@ -8,6 +8,7 @@ renders its samples with the network and publishes that file."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,14 +22,17 @@ from tasks.models import adapter_class
 from tasks.models.tiny.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
 from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2
 from tasks.models.tiny.tiny_wan import build_tiny_wan, build_tiny_wan22
+from tasks.models.tiny.tiny_wan_i2v import build_tiny_wan22_i2v, build_tiny_wan22_ti2v, build_tiny_wan_i2v
 from tasks.models.lora_variants import lycoris
 from tasks.store import Store
 from tasks.training.export_lycoris import fused_groups, to_lycoris
 from comfyui_video import comfy_keys, lycoris_merge
 from tolerance import rounding
 
+REPO = Path(__file__).resolve().parents[1]
 BUILDERS = {"wan": build_tiny_wan, "wan22": build_tiny_wan22, "ltx2": build_tiny_ltx2,
-            "hunyuan_video15": build_tiny_hunyuan_video15}
+            "hunyuan_video15": build_tiny_hunyuan_video15, "wan_i2v": build_tiny_wan_i2v,
+            "wan22_i2v": build_tiny_wan22_i2v, "wan22_ti2v": build_tiny_wan22_ti2v}
 VIDEO = list(BUILDERS)
 
 
@@ -93,7 +97,7 @@ def _cfg(*overrides):
 # A few steps through the nodes, each family with one network (HunyuanVideo 1.5 with both: its q/k/v fuse);
 # clips of 5 frames (LTX-2's VAE: 1 + 8k, so 9)
 DAG = [("wan", "lokr", []), ("wan22", "loha", ["model.expert=both"]), ("ltx2", "lokr", []),
-       ("hunyuan_video15", "lokr", []), ("hunyuan_video15", "loha", [])]
+       ("hunyuan_video15", "lokr", []), ("hunyuan_video15", "loha", []), ("wan_i2v", "loha", [])]
 
 
 @pytest.mark.parametrize("family,network,extra", DAG, ids=[f"{f}-{n}" for f, n, _ in DAG])
@@ -102,7 +106,8 @@ def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     video), the run's `lycoris` (= `comfyui`) file is in ComfyUI's names, and put back on the model by loraflow's
     loader (the learning check's) it is the trained network."""
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle moving right on a blue background\n")
+    first = f" --i {REPO / 'data' / 'demo' / 'img_00.png'}" if adapter_class(family).controls.first_frame else ""
+    prompts.write_text(f"a red circle moving right on a blue background{first}\n")  # image-to-video: from an image
     frames = 1 + adapter_class(family).clips.frame_step
     common = [f"store.root={tmp_path / 'store'}", f"model=tiny_{family}", "data=demo_clips", f"data.frames={frames}",
               f"sample.prompts_file={prompts}", "train.max_steps=2", "train.lr=0.02", "train.log_with=none",
