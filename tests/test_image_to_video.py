@@ -137,9 +137,8 @@ def test_plan_cache_and_samples_of_a_first_frame_run(clips):
     assert set(lat["items"]) == {"red.mp4", "green.mp4", "control:red.mp4:0", "control:green.mp4:0"}
     shapes = store.tensor_shapes(cache_latents.KIND, lat["items"]["control:red.mp4:0"])
     assert tuple(shapes["latents"]) == (20, 3, 4, 4) and tuple(shapes["image_embeds"]) == (17, 16)
-    (file,) = [Path(p) for p in smp["samples"]] if "samples" in smp else [None]
-    if file is not None:
-        assert file.suffix == ".mp4" and inspect_clip(file)[1].frames == 9
+    (file,) = [Path(p) for p in smp["samples"]]  # rendered from --i first.png
+    assert file.suffix == ".mp4" and inspect_clip(file)[1].frames == 9
 
 
 def test_edit_matrix_first_frame_and_caption(clips):
@@ -262,3 +261,20 @@ def test_wan_i2v_kohya_file_is_mapped_completely_by_comfyui(tmp_path):
         want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
         assert (merged[original(m)] - want).abs().max() <= REL * want.abs().max(), m
     assert all(comfyui_loads_kohya(f) for f in ("wan_i2v", "wan22_i2v", "wan22_ti2v"))
+
+
+def test_checkpoint_samples_and_the_validation_loss_read_the_condition(clips):
+    """Samples during training render from the prompt's --i image too; a held-out clip is scored with its own
+    condition beside it (tasks/training/validation_loss.py), as training batches it."""
+    from tasks import cache_text, train
+
+    cfg = _cfg(clips, "sample.every_n_steps=2", "data.validation_split=0.5")
+    store, run_dir = Store(clips / "store"), clips / "run"
+    plan = validate.run(cfg, store)
+    assert len(plan.validation_items) == 1
+    lat, txt = cache_latents.run(cfg, plan, store), cache_text.run(cfg, plan, store)
+    lora = train.run(cfg, plan, store, lat["items"], txt["items"], run_dir=run_dir)
+    (step,) = sorted((run_dir / "samples").glob("step_*"))
+    (video,) = step.glob("*.mp4")
+    assert inspect_clip(video)[1].frames == 9
+    assert lora["validation_loss"] and all(v["loss"] > 0 for v in lora["validation_loss"])
