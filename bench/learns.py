@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 
 from bench.file_mutations import FILE_MUTATIONS
-from bench.learns_loaders import MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya
+from bench.learns_loaders import I2V_PIPELINES, MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya
 from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, write_results  # noqa: F401
 from bench.learns_report import shown as _shown
 
@@ -102,6 +102,9 @@ SETTINGS["tiny_ltx2"] = {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "cli
 SETTINGS["tiny_wan_i2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
 SETTINGS["tiny_wan22_i2v+both"] = {**SETTINGS["tiny_wan22+both"], "i2v": True}
 SETTINGS["tiny_wan22_ti2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
+# HunyuanVideo 1.5 I2V: the same clip from its first frame, rendered by HunyuanVideo15ImageToVideoPipeline (sized by
+# its own rule: the target_size bucket nearest the image's aspect, SIZE for the square first frame)
+SETTINGS["tiny_hunyuan_video15_i2v"] = {**SETTINGS["tiny_hunyuan_video15"], "i2v": True}
 SETTINGS["tiny_flux+int8"] = {**SETTINGS["tiny_flux"], "quantize": "int8"}
 SETTINGS["tiny_flux+nf4"] = {**SETTINGS["tiny_flux"], "quantize": "nf4"}
 SETTINGS["tiny_qwenimage+nf4"] = {**SETTINGS["tiny_qwenimage"], "quantize": "nf4"}
@@ -250,10 +253,16 @@ def _call_kwargs(pipe) -> dict:
 
 def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None, frames: int | None = None):
     """The latent the pipeline hands to vae.decode, rendering `prompt` from the noise of `seed`."""
+    import inspect
+
     import torch
 
     seen = []
     decode = pipe.vae.decode
+    size = dict(height=SIZE, width=SIZE)
+    if "height" not in inspect.signature(type(pipe).__call__).parameters:  # HunyuanVideo 1.5 I2V: sized from the
+        pipe.target_size = SIZE  # image, the bucket of this area nearest its aspect ratio: SIZE x SIZE for a square
+        size = {}
 
     def spy(z, *a, **kw):
         seen.append(z.detach().clone())
@@ -263,10 +272,10 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
     try:
         edit = {} if control is None else (  # Kontext rescales to ~1 MP unless told; FLUX.2 takes a list
             dict(image=control, _auto_resize=False, max_area=SIZE * SIZE) if type(pipe).__name__ == "FluxKontextPipeline"
-            else dict(image=control) if type(pipe).__name__ == "WanImageToVideoPipeline" else dict(image=[control]))
+            else dict(image=control) if type(pipe).__name__ in I2V_PIPELINES else dict(image=[control]))
         if frames:  # a video pipeline
             edit["num_frames"] = frames
-        pipe(prompt=prompt, height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
+        pipe(prompt=prompt, **size, num_inference_steps=steps, output_type="np",
              generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe), **edit)
     finally:
         pipe.vae.decode = decode

@@ -10,7 +10,10 @@ from pathlib import Path
 # The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
 MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3",
           "LTX2Pipeline": "ltx2",  # LTX-2: diffusers reads no kohya layout for it
-          "HunyuanVideo15Pipeline": "hunyuan_video15"}  # nor for HunyuanVideo 1.5 (ComfyUI's fused names)
+          "HunyuanVideo15Pipeline": "hunyuan_video15",  # nor for HunyuanVideo 1.5 (ComfyUI's fused names)
+          "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15_i2v"}
+# The image-to-video pipelines (bench/learns.py renders them from the clip's first frame, `image=`)
+I2V_PIPELINES = ("WanImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline")
 
 
 def denoiser_of(pipe):
@@ -18,11 +21,16 @@ def denoiser_of(pipe):
 
 
 def load_pipeline(base: Path, i2v: bool = False):
-    """The base's own pipeline; `i2v`: WanImageToVideoPipeline, which reads Wan 2.2 TI2V-5B's WanPipeline folder."""
-    from diffusers import DiffusionPipeline, WanImageToVideoPipeline
+    """The base's own pipeline; `i2v`: its image-to-video pipeline, the class model_index.json names, but for Wan
+    2.2 TI2V-5B's WanPipeline folder, which WanImageToVideoPipeline reads."""
+    import diffusers
+    from diffusers import DiffusionPipeline
 
     if i2v:
-        pipe = WanImageToVideoPipeline.from_pretrained(base, use_safetensors=True)
+        name = json.loads((base / "model_index.json").read_text())["_class_name"]
+        cls = getattr(diffusers, "WanImageToVideoPipeline" if name == "WanPipeline" else name)
+        assert cls.__name__ in I2V_PIPELINES, f"{base}: {name} is no image-to-video pipeline"
+        pipe = cls.from_pretrained(base, use_safetensors=True)
     elif json.loads((base / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline":
         from tasks.models.qwenimage_edit import (
             vision_text_processor,  # see its docstring: no torchvision here
@@ -32,7 +40,8 @@ def load_pipeline(base: Path, i2v: bool = False):
         pipe.processor = vision_text_processor(base)
     else:
         pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
-    if type(pipe).__name__ == "HunyuanVideo15Pipeline":  # its text windows, as the adapter trained them
+    if type(pipe).__name__ in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"):  # its text
+        # windows, as the adapter trained them
         from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
 
         HunyuanVideo15Adapter(base, "float32", TEXT_TOKENS).set_text_lengths(pipe)

@@ -39,6 +39,8 @@ FAMILIES = {
     "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.tiny_ltx2:build_tiny_ltx2"),
     "hunyuan_video15": ("tasks.models.hunyuan_video15:HunyuanVideo15Adapter",
                         "tasks.models.tiny.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
+    "hunyuan_video15_i2v": ("tasks.models.hunyuan_video15_i2v:HunyuanVideo15I2VAdapter",
+                            "tasks.models.tiny.tiny_hunyuan_video15_i2v:build_tiny_hunyuan_video15_i2v"),
 }
 
 

@@ -81,6 +81,9 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     size_multiple = 16  # VAE /16 (vae_scale_factor_spatial), 1x1 patches
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
+    # the text encoders' pipeline: the text-to-video one for image-to-video too (the same encode_prompt, "Copied
+    # from" it), so caching text loads no image encoder
+    text_pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
     denoiser_cls = LazyClass("diffusers", "HunyuanVideo15Transformer3DModel")
     denoiser_subfolder = "transformer"
     text_components = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
@@ -126,7 +129,7 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     def load_text_encoders(self):
         # HunyuanVideo15Pipeline.__init__ reads vae.config (diffusers 0.42.1 fails with vae=None): the VAE is
         # loaded with the pipeline and dropped; only the two text encoders go to the device
-        pipe = self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, **_SAFE)
+        pipe = self.text_pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, **_SAFE)
         pipe.vae = None
         pipe.text_encoder.to(self.device)
         pipe.text_encoder_2.to(self.device)
@@ -151,10 +154,8 @@ class HunyuanVideo15Adapter(TransformerAdapter):
         if latents.ndim == 4:  # [B, C, h, w]: never stored by this family, but a one-frame video all the same
             latents = latents[:, :, None]
         noisy, noise, timesteps, sigmas = noise_latents(latents, train_cfg, scheduler, generators)
-        b, _, f, h, w = noisy.shape
-        # text-to-video: no condition latents, a zero mask channel, no image tokens (prepare_cond_latents_and_mask)
-        inputs = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1)
-        image_embeds = noisy.new_zeros(b, _VISION_TOKENS, transformer.config.image_embed_dim)
+        cond, image_embeds = self.condition(transformer, noisy, text)
+        inputs = torch.cat([noisy, cond], dim=1)
         t = {k: text[k].to(latents.device) for k in _TEXT_KEYS}
         pred = transformer(hidden_states=inputs, image_embeds=image_embeds, timestep=timesteps.to(latents.dtype),
                            encoder_hidden_states=t["prompt_embeds"].to(latents.dtype),
@@ -162,6 +163,14 @@ class HunyuanVideo15Adapter(TransformerAdapter):
                            encoder_hidden_states_2=t["prompt_embeds_2"].to(latents.dtype),
                            encoder_attention_mask_2=t["prompt_embeds_mask_2"], return_dict=False)[0]
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target
+
+    def condition(self, transformer, noisy, text):
+        """(the channels after the noisy latents, image_embeds): text-to-video's are zeros, condition latents and
+        a zero mask channel (prepare_cond_latents_and_mask) and no image tokens (hunyuan_video15_i2v.py: the first
+        frame's)."""
+        b, _, f, h, w = noisy.shape
+        return (torch.cat([torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1),
+                noisy.new_zeros(b, _VISION_TOKENS, transformer.config.image_embed_dim))
 
     # -- the LoRA file ---------------------------------------------------------------------------
     def save_lora(self, lora_state_dict, out_dir, lora_config):
@@ -194,13 +203,21 @@ class HunyuanVideo15Adapter(TransformerAdapter):
                generator_device="cpu", frames=1, fps=15.0):
         # Real CFG at `guidance` against the prompt's negative, else the cached empty prompt (the pipeline
         # cannot encode "" without its text encoders); `true_cfg` is unused. Frames 1 + 4k, sides multiples of 16.
-        uncond = negative if negative is not None else empty
+        embeds = self.guided_embeds(pipe, prompt, negative if negative is not None else empty, guidance)
+        generator = self.make_generator(pipe, seed, generator_device)
+        out = pipe(**embeds, width=width, height=height, num_frames=frames, num_inference_steps=steps,
+                   generator=generator, output_type="np").frames[0]
+        return self.frames_video(out, fps)
+
+    def guided_embeds(self, pipe, prompt: dict, uncond: dict, guidance: float) -> dict:
+        """The pipeline's prompt/negative kwargs from cached text, its guider at `guidance`."""
         pipe.guider = pipe.guider.new(guidance_scale=guidance)
         embeds = {}
         for name, d in (("", prompt), ("negative_", uncond)):
             d = on_pipeline_device(pipe, d)
             embeds.update({f"{name}{k}": d[k][None].to(self.dtype) for k in _TEXT_KEYS})
-        generator = self.make_generator(pipe, seed, generator_device)
-        out = pipe(**embeds, width=width, height=height, num_frames=frames, num_inference_steps=steps,
-                   generator=generator, output_type="np").frames[0]
-        return Video([Image.fromarray(f) for f in (np.clip(out, 0, 1) * 255).round().astype(np.uint8)], float(fps))
+        return embeds
+
+    @staticmethod
+    def frames_video(frames, fps: float) -> Video:
+        return Video([Image.fromarray(f) for f in (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)], float(fps))

@@ -70,21 +70,17 @@ def _t5(a: dict, tokenizer):
         decoder_start_token_id=tokenizer.pad_token_id))
 
 
-def build_tiny_hunyuan_video15(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
-    """Tiny random-weight `HunyuanVideo15Pipeline` (text-to-video) saved in diffusers layout under `out_dir`.
-    Clips are 1 + 4k frames, sides multiples of 16; call with e.g. height/width 32, num_frames 5 and the pipeline's
-    `tokenizer_max_length` set small (tasks/models/hunyuan_video15.py sets it from model.max_sequence_length)."""
+def hv15_parts(a: dict, seeded, task_type: str) -> dict:
+    """The components HunyuanVideo15Pipeline and HunyuanVideo15ImageToVideoPipeline share (seeds 0-3), the
+    transformer's `task_type` as the converter's TRANSFORMER_CONFIGS give it ("t2v" / "i2v")."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
     from transformers import ByT5Tokenizer
 
-    a = resolve_arch(HV15_ARCH, arch)
-    seeded = seeder(seed, 4)
     tokenizer = qwen25vl_tokenizer(a["qwen_num_merges"], system=_system_message())
     tokenizer_2 = ByT5Tokenizer()  # bytes + 3 specials + 125 sentinels: no vocabulary file
     c = a["latent_channels"]
@@ -94,18 +90,27 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, seed: int = 0, arch: dict | 
         num_layers=a["num_layers"], num_refiner_layers=a["num_refiner_layers"], mlp_ratio=4.0, patch_size=1,
         patch_size_t=1, qk_norm="rms_norm", text_embed_dim=a["qwen_hidden_size"], text_embed_2_dim=a["t5_d_model"],
         image_embed_dim=a["image_embed_dim"], rope_theta=256.0, rope_axes_dim=tuple(a["rope_axes_dim"]),
-        target_size=640, task_type="t2v", use_meanflow=False))
+        target_size=640, task_type=task_type, use_meanflow=False))
     vae = seeded(1, lambda: AutoencoderKLHunyuanVideo15(
         latent_channels=c, block_out_channels=tuple(a["vae_block_out_channels"]),
         layers_per_block=a["vae_layers_per_block"], spatial_compression_ratio=16, temporal_compression_ratio=4,
         scaling_factor=a["scaling_factor"]))
     text_encoder = seeded(2, lambda: _qwen(a, tokenizer))
     text_encoder_2 = seeded(3, lambda: _t5(a, tokenizer_2))
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=a["shift"]),
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=a["guidance_scale"]))
+    return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=a["shift"]),
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                guider=ClassifierFreeGuidance(guidance_scale=a["guidance_scale"]))
+
+
+def build_tiny_hunyuan_video15(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+    """Tiny random-weight `HunyuanVideo15Pipeline` (text-to-video) saved in diffusers layout under `out_dir`.
+    Clips are 1 + 4k frames, sides multiples of 16; call with e.g. height/width 32, num_frames 5 and the pipeline's
+    `tokenizer_max_length` set small (tasks/models/hunyuan_video15.py sets it from model.max_sequence_length)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    a = resolve_arch(HV15_ARCH, arch)
+    pipe = HunyuanVideo15Pipeline(**hv15_parts(a, seeder(seed, 4), "t2v"))
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
