@@ -60,7 +60,7 @@ def comfy_keys(family: str, den: torch.nn.Module) -> tuple[dict, dict]:
                 key = key.replace(f".{d}", f".{o}")
         elif family == "ltx2" and re.fullmatch(_LTX_RE, n):
             key, slot = n, 0
-        elif family == "hunyuan_video15" and (hit := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", n)) \
+        elif family.startswith("hunyuan_video15") and (hit := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", n)) \
                 and hit[2] in HV15:
             name, slot = HV15[hit[2]]
             key = f"double_blocks.{hit[1]}.{name}"

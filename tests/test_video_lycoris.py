@@ -20,6 +20,7 @@ from tasks import cache_latents, cache_text, publish, sample, train, validate
 from tasks.config import compose, resolve_paths
 from tasks.models import adapter_class
 from tasks.models.tiny.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
+from tasks.models.tiny.tiny_hunyuan_video15_i2v import build_tiny_hunyuan_video15_i2v
 from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2
 from tasks.models.tiny.tiny_wan import build_tiny_wan, build_tiny_wan22
 from tasks.models.tiny.tiny_wan_i2v import build_tiny_wan22_i2v, build_tiny_wan22_ti2v, build_tiny_wan_i2v
@@ -31,7 +32,8 @@ from tolerance import rounding
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDERS = {"wan": build_tiny_wan, "wan22": build_tiny_wan22, "ltx2": build_tiny_ltx2,
-            "hunyuan_video15": build_tiny_hunyuan_video15, "wan_i2v": build_tiny_wan_i2v,
+            "hunyuan_video15": build_tiny_hunyuan_video15, "hunyuan_video15_i2v": build_tiny_hunyuan_video15_i2v,
+            "wan_i2v": build_tiny_wan_i2v,
             "wan22_i2v": build_tiny_wan22_i2v, "wan22_ti2v": build_tiny_wan22_ti2v}
 VIDEO = list(BUILDERS)
 
@@ -86,7 +88,7 @@ def test_lycoris_file_is_mapped_completely_by_comfyui_with_the_trained_delta(fam
         bound = rounding(3 * rank, stages=3, magnitude=alpha / rank * _magnitude(parts[name]))
         assert (merged[key][sl] - want).abs().max().item() <= bound, name
         assert want.abs().max() > 0
-    if family == "hunyuan_video15":  # q, k, v fused into ComfyUI's qkv: the case this layout is for
+    if family.startswith("hunyuan_video15"):  # q, k, v fused into ComfyUI's qkv: the case this layout is for
         assert any(k.endswith("_attn.qkv") for k in merged) and len(fused_groups(family, layers)) == 2 * 2
 
 
@@ -97,7 +99,8 @@ def _cfg(*overrides):
 # A few steps through the nodes, each family with one network (HunyuanVideo 1.5 with both: its q/k/v fuse);
 # clips of 5 frames (LTX-2's VAE: 1 + 8k, so 9)
 DAG = [("wan", "lokr", []), ("wan22", "loha", ["model.expert=both"]), ("ltx2", "lokr", []),
-       ("hunyuan_video15", "lokr", []), ("hunyuan_video15", "loha", []), ("wan_i2v", "loha", [])]
+       ("hunyuan_video15", "lokr", []), ("hunyuan_video15", "loha", []), ("wan_i2v", "loha", []),
+       ("hunyuan_video15_i2v", "lokr", [])]
 
 
 @pytest.mark.parametrize("family,network,extra", DAG, ids=[f"{f}-{n}" for f, n, _ in DAG])
@@ -132,13 +135,13 @@ def test_dag_trains_samples_and_exports(family, network, extra, tmp_path):
     other = dict(back.named_modules())
     sd, config, _ = lycoris.read_peft(lora["lora"])
     parts = lycoris.modules_of(sd, network)
-    if family == "hunyuan_video15" and network == "lokr":  # trained with one w2 per fused q/k/v
+    if family.startswith("hunyuan_video15") and network == "lokr":  # trained with one w2 per fused q/k/v
         q, k = (parts[f"transformer_blocks.0.attn.to_{s}"] for s in "qk")
         assert all(torch.equal(q[n], k[n]) for n in q if n.startswith("lokr_w2")) and not torch.equal(
             q["lokr_w1"], k["lokr_w1"])
     # HunyuanVideo 1.5's last block: its caption stream's output is dropped (the transformer returns the video
     # tokens), so its queries, attention output and MLP get no gradient
-    last = trained.config.num_layers - 1 if family == "hunyuan_video15" else -1
+    last = trained.config.num_layers - 1 if family.startswith("hunyuan_video15") else -1
     unused = rf"transformer_blocks\.{last}\.(attn\.(add_q_proj|to_add_out)|ff_context\..+)"
     for name, layer in layers.items():
         want = layer.get_delta_weight("default").double()

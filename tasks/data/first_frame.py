@@ -30,7 +30,7 @@ def errors(cfg: Config, adapter_cls) -> list[str]:
         return []
     if not enabled(adapter_cls):
         return [f"data.condition_image={source}: model.family={family} is not image-to-video; drop it, or train an "
-                "image-to-video family (model=tiny_wan_i2v, tiny_wan22_i2v, tiny_wan22_ti2v)"]
+                "image-to-video family (model=tiny_wan_i2v, tiny_wan22_i2v, tiny_wan22_ti2v, tiny_hunyuan_video15_i2v)"]
     if source not in SOURCES:
         return [f"data.condition_image={source!r}: choose first_frame (each clip's own) or beside (a same-stem "
                 "image next to each clip)"]
