@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image
 
 from bench.file_mutations import FILE_MUTATIONS
+from bench.learns_images import NAMES as IMAGES, generated
 from bench.learns_loaders import I2V_PIPELINES, MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya
 from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, write_results  # noqa: F401
 from bench.learns_report import shown as _shown
@@ -101,7 +102,13 @@ SETTINGS["tiny_ltx2"] = {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "cli
 # it) and rendered by WanImageToVideoPipeline from that frame (--i in the prompts file)
 SETTINGS["tiny_wan_i2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
 SETTINGS["tiny_wan22_i2v+both"] = {**SETTINGS["tiny_wan22+both"], "i2v": True}
-SETTINGS["tiny_wan22_ti2v"] = {**SETTINGS["tiny_wan"], "i2v": True}
+# Wan 2.2 TI2V-5B: its /16 VAE has 48 channels, so at 64 px a frame is 2x2 tokens of 192 values each, and a tiny
+# random base must learn to denoise all of them through the LoRA. Measured ratios (2026-11-27, 2 cores): 0.74 at Wan
+# 2.1's settings (192 wide, 600 steps), 0.50 at 384 wide, 0.33 at 768 wide (1200 steps, lr 3e-3), 0.13 with 4
+# blocks of 768: the tiny model's capacity (the real 5B is 3072 wide, 30 blocks), not the conditioning
+SETTINGS["tiny_wan22_ti2v"] = {"arch": {"num_attention_heads": 32, "attention_head_dim": 24, "ffn_dim": 1024,
+                                        "num_layers": 4}, "rank": 16, "steps": 1200, "lr": 3e-3, "clip": True,
+                               "i2v": True}
 # HunyuanVideo 1.5 I2V: the same clip from its first frame, rendered by HunyuanVideo15ImageToVideoPipeline (sized by
 # its own rule: the target_size bucket nearest the image's aspect, SIZE for the square first frame)
 SETTINGS["tiny_hunyuan_video15_i2v"] = {**SETTINGS["tiny_hunyuan_video15"], "i2v": True}
@@ -114,9 +121,11 @@ SETTINGS["tiny_flux+int8+w8a8"] = {**SETTINGS["tiny_flux"], "quantize": "int8", 
 SETTINGS["tiny_flux+fp8+w8a8"] = {**SETTINGS["tiny_flux"], "quantize": "fp8", "matmul": "w8a8"}
 SETTINGS["tiny_flux+lokr"] = {**SETTINGS["tiny_flux"], "network": "lokr", "lr": 1e-2}
 SETTINGS["tiny_flux+loha"] = {**SETTINGS["tiny_flux"], "network": "loha", "lr": 3e-3}
-def training_image(model: str) -> tuple[Image.Image, str]:
+def training_image(model: str, image: str = "demo") -> tuple[Image.Image, str]:
     """The one image and its caption: a demo image, or for the demo base a shape it has never seen (a world
-    image it knows would leave the LoRA nothing to learn)."""
+    image it knows would leave the LoRA nothing to learn); `image`: a generated one (bench/learns_images.py)."""
+    if image != "demo":
+        return generated(image, SIZE)
     if model == "demo_flux":
         from tasks.demo import world
 
@@ -130,22 +139,22 @@ FRAMES = 9  # a video family's clip: 1 + 4k frames (Wan: 3 latent frames; LTX-2,
 CLIP_FPS = 16
 
 
-def training_clip(model: str) -> list[Image.Image]:
+def training_clip(model: str, image: str = "demo") -> list[Image.Image]:
     """A video family's clip: the training image sliding 4 px right a frame (wrapping round)."""
-    img = training_image(model)[0]
+    img = training_image(model, image)[0]
     return [Image.fromarray(np.roll(np.asarray(img), 4 * k, axis=1)) for k in range(FRAMES)]
 
 
-def dataset(root: Path, model: str) -> Path:
+def dataset(root: Path, model: str, image: str = "demo") -> Path:
     """The one training image, exactly SIZE px (no resize: its latent here is the cache's), and its caption;
     a video family's: one clip at SIZE px."""
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
-    img, caption = training_image(model)
+    img, caption = training_image(model, image)
     if SETTINGS.get(model, {}).get("clip"):
         from tasks.data.clips import write_mp4
 
-        write_mp4(training_clip(model), data / "img.mp4", fps=CLIP_FPS)
+        write_mp4(training_clip(model, image), data / "img.mp4", fps=CLIP_FPS)
         if SETTINGS[model].get("i2v"):  # rendered from the first frame loraflow reads (after H.264)
             first_frame(data / "img.mp4").save(root / "first.png")
             (root / "prompts.txt").write_text(caption + " --i first.png\n")
@@ -155,7 +164,7 @@ def dataset(root: Path, model: str) -> Path:
         img.save(data / "img.png")
     (data / "img.txt").write_text(caption + "\n")
     (root / "prompts.txt").write_text(caption + "\n")
-    if control := control_image(model):  # an edit family's pair: the control by the target's stem
+    if control := control_image(model, image):  # an edit family's pair: the control by the target's stem
         (root / "control").mkdir(exist_ok=True)
         control.save(root / "control" / "img.png")
         (root / "prompts.txt").write_text(caption + " --i control/img.png\n")
@@ -168,13 +177,13 @@ def first_frame(clip: Path) -> Image.Image:
     return Image.fromarray(read_frames(clip, 1)[0])
 
 
-def control_image(model: str) -> Image.Image | None:
+def control_image(model: str, image: str = "demo") -> Image.Image | None:
     """An edit family's control image (the training image's negative), or None."""
     if not SETTINGS.get(model, {}).get("control"):
         return None
     from PIL import ImageOps
 
-    return ImageOps.invert(training_image(model)[0])
+    return ImageOps.invert(training_image(model, image)[0])
 
 
 def overrides(model: str, root: Path, settings: dict | None = None) -> list[str]:
@@ -316,11 +325,11 @@ def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[
     return out
 
 
-def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
+def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo") -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
     i2v = SETTINGS.get(model, {}).get("i2v")
     pipe = load_pipeline(base, i2v)
-    image, caption = training_image(model)
+    name, (image, caption) = image, training_image(model, image)
     clip = SETTINGS.get(model, {}).get("clip")
     if clip:  # the clip as decoded from its mp4 (what loraflow encoded), not the frames before H.264
         from tasks.data.clips import read_frames
@@ -328,10 +337,10 @@ def evaluate(model: str, base: Path, files: dict[str, Path]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             from tasks.data.clips import write_mp4
 
-            decoded = read_frames(write_mp4(training_clip(model), Path(tmp) / "c.mp4", fps=CLIP_FPS), FRAMES)
+            decoded = read_frames(write_mp4(training_clip(model, name), Path(tmp) / "c.mp4", fps=CLIP_FPS), FRAMES)
         image = [Image.fromarray(f) for f in decoded]
     target = image_latent(pipe, image)
-    control = image[0] if i2v else control_image(model)  # image-to-video: from the clip's first frame
+    control = image[0] if i2v else control_image(model, name)  # image-to-video: from the clip's first frame
     frames = FRAMES if clip else None
     err_base = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
@@ -384,11 +393,26 @@ def _machine() -> str:
             f"({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()} kernels)")
 
 
+def on_images(model: str, images: list[str]) -> dict[str, float]:
+    """{generated image: the diffusers file's ratio} of the model trained and rendered on each (issue 48)."""
+    out = {}
+    for name in images:
+        with tempfile.TemporaryDirectory(prefix=f"learns-{model}-{name}-") as tmp:
+            root = Path(tmp)
+            dataset(root, model, name)
+            base, files = train_cli(model, root)
+            out[name] = evaluate(model, base, files, name)["ratio"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.learns", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated model names, or demo (default: the demo and every model)")
     ap.add_argument("--out", default=str(REPO / "bench" / "learns.json"))
+    ap.add_argument("--images", default="all", help="generated images each model is also checked on (bench/"
+                    f"learns_images.py: {', '.join(IMAGES)}), comma-separated, all, or none")
     args = ap.parse_args(argv)
+    images = list(IMAGES) if args.images == "all" else [] if args.images == "none" else args.images.split(",")
     models = args.only.split(",") if args.only else ["demo", *SETTINGS]
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"families": {}}
@@ -408,11 +432,13 @@ def main(argv: list[str] | None = None) -> int:
             r["mutations"] = mutated(model, base, files, root)
         r["settings"] = {**SETTINGS[model], "batch": SETTINGS[model].get("batch", REPEATS), "size": SIZE, "render_steps": RENDER_STEPS,
                          "seconds": round(time.time() - t0, 1)}
+        r["images"] = on_images(model, images)
         result["families"][model] = r
         print(f"{model}: ratio {r['ratio']:.3f} (err {r['err_lora']:.4g} / {r['err_base']:.4g}), files "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["files"].items()) + f", {r['settings']['seconds']} s; "
               + "; ".join(f"{m} " + ", ".join(f"{k} {_shown(v, model)}" for k, v in fs.items())
-                          for m, fs in r["mutations"].items()), flush=True)
+                          for m, fs in r["mutations"].items())
+              + "; images " + ", ".join(f"{k} {v:.3f}" for k, v in r["images"].items()), flush=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     if out == REPO / "bench" / "learns.json":
         write_results(result)

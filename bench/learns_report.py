@@ -55,6 +55,13 @@ def results_table(result: dict) -> str:
         lines.append(f"| {model} | {r['ratio']:.3f} | {r['files'].get('kohya', float('nan')):.3f} "
                      f"({r['loaders'].get('kohya', '-')}) | {r['err_base']:.4g} | {r['err_lora']:.4g} | {muts} | {arch}; "
                      f"r{st['rank']}, {st['steps']} steps, lr {st['lr']} | {st['seconds']} |")
+    on_images = {m: r["images"] for m, r in result["families"].items() if r.get("images")}
+    if on_images:  # issue 48: the same settings on the generated images (bench/learns_images.py)
+        names = list(next(iter(on_images.values())))
+        lines += ["", "On generated images (bench/learns_images.py; the diffusers file's ratio, each at the family's "
+                  "settings above):", "", "| model | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        lines += [f"| {m} | " + " | ".join(f"{imgs[n]:.3f}" if n in imgs else "-" for n in names) + " |"
+                  for m, imgs in on_images.items()]
     return "\n".join(lines + ["", _END])
 
 
