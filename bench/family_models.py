@@ -13,9 +13,31 @@ from tasks.config import Config, config_of
 
 HERE = Path(__file__).resolve().parent
 # A model's training geometry where it is not the rows' square resolution: (width, height), frames. Wan 14B at
-# 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not
+# 480x832: 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model card's 81 (21, 32,760) do not.
+# The image-to-video models at their model cards' sizes: Wan 2.1 I2V-14B (480P) and Wan 2.2 I2V-A14B at 480x832, 81
+# frames (32,760 tokens, as wan14b_81f); Wan 2.2 TI2V-5B at 704x1280, 121 frames (its /16 VAE: 31 x 22 x 40 = 27,280)
 GEOMETRY = {"wan14b": ((832, 480), 33), "wan14b_81f": ((832, 480), 81), "ltx2": ((768, 512), 121),
-            "ltx2_49f": ((768, 512), 49)}
+            "ltx2_49f": ((768, 512), 49), "wan21_i2v_14b": ((832, 480), 81), "wan22_i2v_a14b": ((832, 480), 81),
+            "wan22_ti2v_5b": ((1280, 704), 121),
+            # shorter clips, for the card table's smaller cards (nothing fits 12 GB at the model cards' lengths)
+            "wan21_i2v_14b_33f": ((832, 480), 33), "wan22_i2v_a14b_33f": ((832, 480), 33),
+            "wan22_ti2v_5b_49f": ((1280, 704), 49)}
+# The image-to-video transformers' diffusers configs where they differ from WanTransformer3DModel's defaults (Wan 2.1
+# T2V-14B's), as diffusers' scripts/convert_wan_to_diffusers.py writes them (`get_transformer_config`):
+# "Wan-I2V-14B-480p": 36 input channels (16 noisy + 4 mask + 16 first-frame latent), the CLIP ViT-H image states
+# (image_dim 1280) through their own key/value projections (added_kv_proj_dim 5120); "Wan2.2-I2V-14B-720p"
+# (Wan-AI/Wan2.2-I2V-A14B, each expert): 36 input channels, no image states; "Wan2.2-TI2V-5B": 24 heads x 128 = 3072
+# wide, ffn 14336, 30 blocks, 48 channels in and out (the Wan 2.2 VAE's z_dim; vae22_diffusers_config: base_dim 160,
+# decoder_base_dim 256, is_residual, patch_size 2, scale_factor_spatial 16). The CLIP image encoder (CLIPVisionModel,
+# laion/CLIP-ViT-H-14: 1280 wide, 32 layers, 257 tokens at 224 px) is not in the rows: its states are cached with
+# each clip's condition (tasks/models/wan_i2v.py), so the train node never loads it.
+WAN21_I2V_14B = {"in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+WAN22_I2V_A14B = {"in_channels": 36}
+WAN22_TI2V_5B = {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336, "num_layers": 30,
+                 "in_channels": 48, "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "patch_size": (1, 2, 2)}
+CLIP_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + the class token (the penultimate layer's states)
+
+
 def geometry(model: str, resolution: int) -> tuple[tuple[int, int], int]:
     return GEOMETRY.get(model, ((resolution, resolution), 1))
 
@@ -32,7 +54,14 @@ def model_table() -> dict:
             "wan14b_81f": ("tasks.models.wan:WanAdapter", "WanTransformer3DModel", {}),
             # LTX2VideoTransformer3DModel's defaults are Lightricks/LTX-2's (48 blocks, 4096 wide video stream)
             "ltx2": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {}),
-            "ltx2_49f": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {})}
+            "ltx2_49f": ("tasks.models.ltx2:LTX2Adapter", "LTX2VideoTransformer3DModel", {}),
+            # image-to-video (tasks/models/wan_i2v.py, wan22_i2v.py, wan22_ti2v.py); Wan 2.2 I2V-A14B: one expert
+            # (model.expert=high|low, the two have the same shapes), as the wan14b rows are one Wan 2.2 A14B expert
+            **{name: (ref, "WanTransformer3DModel", arch) for names, ref, arch in (
+                (("wan21_i2v_14b", "wan21_i2v_14b_33f"), "tasks.models.wan_i2v:WanI2VAdapter", WAN21_I2V_14B),
+                (("wan22_i2v_a14b", "wan22_i2v_a14b_33f"), "tasks.models.wan22_i2v:Wan22I2VAdapter", WAN22_I2V_A14B),
+                (("wan22_ti2v_5b", "wan22_ti2v_5b_49f"), "tasks.models.wan22_ti2v:Wan22TI2VAdapter", WAN22_TI2V_5B))
+               for name in names}}
 
 
 def parse(options: str) -> dict:
@@ -52,6 +81,13 @@ def random_adapter(model: str, device):
     cls = getattr(diffusers, cls_name)
 
     class Random(base):
+        # Wan 2.2's experts: the switch is read from model_index.json (there is none here), and an expert redraws a
+        # timestep off its side (a data-dependent branch fake tensors cannot take); memory is the same on either side
+        boundary = 900.0
+
+        def _mine(self, t) -> bool:
+            return True
+
         def load_denoiser(self):  # random bf16 weights on `device` (meta: shapes only); no file
             return random_model(cls, arch, device)
 
@@ -77,6 +113,18 @@ def batch_inputs(model: str, config: dict, resolution: int, text_len: int):
     if model.startswith("wan14b"):  # 16-channel latents of the video VAE (/4 in time, /8 in space); UMT5 states
         (w, h), frames = geometry(model, resolution)
         return z(1, 16, 1 + (frames - 1) // 4, h // 8, w // 8), {"prompt_embeds": z(1, text_len, config["text_dim"])}
+    if model.startswith("wan22_ti2v_5b"):  # 48-channel latents of the Wan 2.2 VAE (/16); the condition: the first frame's latent
+        (w, h), frames = geometry(model, resolution)
+        c, f = config["in_channels"], 1 + (frames - 1) // 4
+        return z(1, c, f, h // 16, w // 16), {"prompt_embeds": z(1, text_len, config["text_dim"]),
+                                              "control_latents": z(1, 1, c, 1, h // 16, w // 16)}
+    if model.startswith(("wan21_i2v_14b", "wan22_i2v_a14b")):  # the mask + first-frame latent condition (4 + 16 channels)
+        (w, h), frames = geometry(model, resolution)
+        f = 1 + (frames - 1) // 4
+        text = {"prompt_embeds": z(1, text_len, config["text_dim"]), "control_latents": z(1, 1, 20, f, h // 8, w // 8)}
+        if config.get("image_dim"):  # Wan 2.1: the first frame's CLIP states, cached with the condition
+            text["control_image_embeds"] = z(1, 1, CLIP_TOKENS, config["image_dim"])
+        return z(1, 16, f, h // 8, w // 8), text
     if model == "qwenimage":  # 16-channel /8 latents, packed 2x2 by the adapter; Qwen2.5-VL states and mask
         return z(1, 16, resolution // 8, resolution // 8), {
             "prompt_embeds": z(1, text_len, config["joint_attention_dim"]),

@@ -19,13 +19,11 @@ Per row:
   max_memory_allocated shows (bench/memory_peak.py), with what was live then (peak_breakdown_gib).
 - preflight_gib: tasks.training.memory.estimate for the same settings, as the validate node computes it.
 - host_gib: the swapped blocks' stored weights and, with +offload, the checkpointed inputs save_on_cpu took
-  (distinct storages, counted as it packs them), held in host memory."""
+  (each pack its own host copy, as on a GPU), held in host memory."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import re
 import time
 from pathlib import Path
 
@@ -34,13 +32,25 @@ from bench.family_models import (GEOMETRY, batch_inputs, geometry, model_table, 
 
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
+# Image-to-video (issue 47): Wan 2.1 I2V-14B and one Wan 2.2 I2V-A14B expert at 480x832, 81 frames, Wan 2.2 TI2V-5B at
+# 704x1280, 121 frames (GEOMETRY), and the shorter clips the smaller cards take (33 frames; TI2V-5B 49): every setting
+# the card table names for them on 12, 16 and 24 GB (CARD_ROWS; not Wan 2.2 I2V-A14B's at 33 frames: the wan14b rows
+# are its transformer but for the patch embedding), NF4 with checkpointing, TI2V-5B in bf16
+I2V_ROWS = ("wan21_i2v_14b:nf4+ckpt", "wan21_i2v_14b:nf4+ckpt+offload", "wan21_i2v_14b:nf4+ckpt+offload+swap17",
+            "wan21_i2v_14b_33f:nf4+ckpt", "wan21_i2v_14b_33f:nf4+ckpt+offload+swap12",
+            "wan21_i2v_14b_33f:nf4+ckpt+offload+swap31",
+            "wan22_i2v_a14b:nf4+ckpt", "wan22_i2v_a14b:nf4+ckpt+offload+swap11",
+            "wan22_ti2v_5b:bf16+ckpt", "wan22_ti2v_5b:nf4+ckpt", "wan22_ti2v_5b:nf4+ckpt+offload+swap24",
+            "wan22_ti2v_5b_49f:bf16+ckpt", "wan22_ti2v_5b_49f:fp8+ckpt", "wan22_ti2v_5b_49f:nf4+ckpt",
+            "wan22_ti2v_5b_49f:nf4+ckpt+offload")
 ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+swap20", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
         "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
         "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16", "flux2_dev:nf4+ckpt+offload+swap8",
         "wan14b:int8+ckpt", "wan14b:nf4+ckpt", "wan14b:int8+ckpt+swap20", "wan14b_81f:nf4+ckpt",
         "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
         "wan14b_81f:nf4+ckpt+offload+swap11",
-        "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt")
+        "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt",
+        *I2V_ROWS)
 
 
 def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
@@ -69,7 +79,9 @@ def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: in
 
 @contextlib.contextmanager
 def _host_counted():
-    """{storage: bytes} of what activation_offload's save_on_cpu packs while the context is open."""
+    """{pack: bytes} of what activation_offload's save_on_cpu packs while the context is open: on a GPU each pack is
+    its own host copy (torch.empty of the tensor's size, then copy_), also of a storage every block takes as an
+    input (Wan's caption states, TI2V-5B's per-token timestep embedding), so each pack counts."""
     from tasks.training import activation_offload
 
     original, seen = activation_offload.save_on_cpu, {}
@@ -80,7 +92,7 @@ def _host_counted():
             pack = self.pack_hook
 
             def counted(t):
-                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+                seen[len(seen)] = t.numel() * t.element_size()
                 return pack(t)
             self.pack_hook = counted
 
@@ -104,14 +116,15 @@ def preflight(name: str, folder: Path, resolution: int = 1024, text_len: int = 5
     """tasks.training.memory.estimate for a row's settings, as the validate node computes it."""
     import torch
 
-    from tasks.training.memory import estimate, lora_targets
+    from tasks.training.memory import estimate, family_factors, lora_targets
 
     model, options = name.split(":")
     adapter, cls, _ = random_adapter(model, torch.device("meta"))
     size, frames = geometry(model, resolution)
     cfg = train_config(parse(options), text_len, rank, frames)
     return estimate(cfg, _headers(model, folder), "transformer", lora_targets(cfg.train, adapter),
-                    size, text_len, cls, adapter.swap_blocks, geometry=adapter.activation_geometry)
+                    size, text_len, cls, adapter.swap_blocks, geometry=adapter.activation_geometry,
+                    factors=family_factors(adapter))
 
 
 def row(name: str, folder: Path, resolution: int = 1024, text_len: int = 512, rank: int = 16,
@@ -160,15 +173,22 @@ GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24, "wan14b": 24}  # GiB:
 CARDS = (12, 16, 24, 48, 80)  # GB on the box
 MARGIN_GIB = 1.0  # what max_memory_allocated leaves out: the CUDA context (~0.5 GiB), allocator fragmentation
 LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt", "nf4+ckpt+offload")  # the least change first
+# The card table's rows: (key in `cards`, model, denoisers held). Wan 2.2 I2V-A14B: one expert trained
+# (model.expert=high|low), and one LoRA on both (model.expert=both: both experts' weights, one set of activations)
+CARD_ROWS = (*((m, m, 1) for m in (*GOALS, "wan14b_81f", "ltx2", "wan21_i2v_14b", "wan21_i2v_14b_33f", "wan22_i2v_a14b",
+                                    "wan22_i2v_a14b_33f")),
+             ("wan22_i2v_a14b_both", "wan22_i2v_a14b", 2), ("wan22_i2v_a14b_33f_both", "wan22_i2v_a14b_33f", 2),
+             ("wan22_ti2v_5b", "wan22_ti2v_5b", 1), ("wan22_ti2v_5b_49f", "wan22_ti2v_5b_49f", 1))
 
 
-def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16) -> str:
+def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16,
+           copies: int = 1) -> str:
     """The first setting whose preflight estimate leaves MARGIN_GIB free on a card of `card_gb` GB (1e9 bytes:
     cards are sold in GB): the ladder, then NF4 with the checkpointed inputs on the host and the fewest blocks
-    swapped."""
+    swapped. `copies=2`: Wan 2.2's model.expert=both (both experts resident; swap counts over both)."""
     import torch
 
-    from tasks.training.memory import block_order, estimate, lora_targets, header_shapes
+    from tasks.training.memory import block_order, estimate, family_factors, lora_targets, header_shapes
 
     adapter, cls, _ = random_adapter(model, torch.device("meta"))
     head = _headers(model, folder)
@@ -179,9 +199,10 @@ def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_
     def total(options):
         cfg = train_config(parse(options), text_len, rank, frames)
         return estimate(cfg, head, "transformer", lora_targets(cfg.train, adapter), size,
-                        text_len, cls, adapter.swap_blocks, geometry=adapter.activation_geometry)["total_gb"]
+                        text_len, cls, adapter.swap_blocks, copies, geometry=adapter.activation_geometry,
+                        factors=family_factors(adapter))["total_gb"]
 
-    n_blocks = len(block_order(header_shapes(head / "transformer"), adapter.swap_blocks))
+    n_blocks = copies * len(block_order(header_shapes(head / "transformer"), adapter.swap_blocks))
     for options in [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:
         if (gb := total(options)) <= budget:
             return f"{options} ({gb:.1f} GiB)"
@@ -215,7 +236,7 @@ def main(out: Path, only: str | None) -> int:
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
                            for m, g in GOALS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        doc["cards"] = {m: {str(c): advice(m, Path(tmp), c) for c in CARDS} for m in (*GOALS, "wan14b_81f", "ltx2")}
+        doc["cards"] = {key: {str(c): advice(m, Path(tmp), c, copies=n) for c in CARDS} for key, m, n in CARD_ROWS}
     doc["families_seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(doc, indent=1, default=list))
     cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["cards"].items())

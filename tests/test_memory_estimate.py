@@ -202,3 +202,50 @@ def test_the_report_carries_the_estimate(workspace):
     r = workspace.run()
     m = r["memory_estimate"]
     assert m["params"] > 0 and m["lora_params"] > 0 and m["total_gb"] > 0 and m["budget_source"]
+
+
+def test_image_to_video_families_take_their_own_activation_constants():
+    """Wan's image-to-video families share WanTransformer3DModel with Wan 2.1, so the class name cannot tell their
+    constants apart: the preflight takes them by family (memory.FAMILY_FACTORS, measured by bench.memory)."""
+    from tasks.models import adapter_class
+    from tasks.models.ltx2 import LTX2Adapter
+    from tasks.models.wan import WanAdapter
+    from tasks.training.memory import FAMILY_FACTORS, Factors, TRANSIENT_FACTOR, family_factors
+
+    wan = Factors(*WanAdapter.activation_factors, text_offloaded=1.0)  # the caption states, copied with each block
+    assert family_factors(adapter_class("wan")) == family_factors(adapter_class("wan22_i2v")) == wan
+    assert family_factors(adapter_class("wan_i2v")) == Factors(31.7, 1.05, 31.8, TRANSIENT_FACTOR, 1.0, 1.5)
+    assert family_factors(adapter_class("wan22_ti2v")) == Factors(**{**Factors(30.7, 1.03, 31.6)._asdict(),
+                                                                     **FAMILY_FACTORS["wan22_ti2v"]})
+    assert family_factors(adapter_class("wan22_ti2v")).offloaded == 7.0  # + the per-token timestep embedding
+    assert family_factors(LTX2Adapter) == Factors(*LTX2Adapter.activation_factors, text_offloaded=1.5)
+    assert family_factors(FluxAdapter) is None  # the denoiser class's (FLUX.1's measured ones)
+
+
+def test_wan22_ti2v_5b_at_704x1280_121_frames(tmp_path):
+    """Wan 2.2 TI2V-5B's real config (diffusers' convert_wan_to_diffusers.py, "Wan2.2-TI2V-5B"): 5.0 B parameters,
+    27,280 tokens at 704x1280 and 121 frames on its /16 VAE; its constants in each term of the estimate."""
+    from diffusers import WanTransformer3DModel
+
+    from bench.family_models import WAN22_TI2V_5B
+    from tasks.models import adapter_class
+    from tasks.training.memory import family_factors
+
+    adapter = adapter_class("wan22_ti2v")
+    folder = _headers(WanTransformer3DModel, WAN22_TI2V_5B, tmp_path)
+    f = family_factors(adapter)
+
+    def est(**train):
+        cfg = updated(_cfg(gradient_checkpointing=True, **train), {"data.frames": 121})
+        return estimate(cfg, folder, "transformer", adapter.LORA_TARGETS, (1280, 704), 512, WanTransformer3DModel,
+                        adapter.swap_blocks, geometry=adapter.activation_geometry, factors=f)
+
+    ckpt, off = est(), est(gradient_checkpointing_offload=True)
+    assert 4.99e9 < ckpt["params"] < 5.01e9
+    tokens, width = 31 * (704 // 32) * (1280 // 32), 24 * 128
+    unit = tokens * width * 2
+    assert ckpt["activations_gb"] * GB == pytest.approx((30 * 1.31 + 50.8) * unit, rel=1e-12)
+    assert ckpt["transient_gb"] * GB == pytest.approx(19.0 * unit, rel=1e-12)  # bf16: no dequantize dominates
+    # the offload copies each block's hidden states, its per-token timestep embedding and the caption to the host
+    assert off["host_gb"] * GB == pytest.approx(30 * (7 * tokens + 512) * width * 2, rel=1e-12)
+    assert off["activations_gb"] * GB == pytest.approx((30 * 0.31 + 1 + 50.8) * unit, rel=1e-9)

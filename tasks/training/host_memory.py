@@ -102,7 +102,7 @@ def preflight(cfg: Config, adapter, size: tuple[int, int], estimate: dict, cuda:
     hold. Returns the report's host figures."""
     from tasks.models.loading.stream_load import folder_entries
     from tasks.runtime import cuda_available
-    from tasks.training.memory import block_order, estimate as estimate_of, host_available_gb, lora_targets
+    from tasks.training.memory import block_order, estimate as estimate_of, family_factors, host_available_gb, lora_targets
 
     folders = [adapter.model_dir / f for f in (adapter.experts.values() if adapter.denoisers > 1
                                                  else (adapter.denoiser_subfolder,))]
@@ -123,7 +123,8 @@ def preflight(cfg: Config, adapter, size: tuple[int, int], estimate: dict, cuda:
     def estimate_for(c):
         return estimate_of(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
                            c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
-                           adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry)
+                           adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry,
+                           factors=family_factors(adapter))
 
     blocks = adapter.denoisers * len(block_order(shapes, adapter.swap_blocks))  # the experts share names
     gb, source = available or host_available_gb()

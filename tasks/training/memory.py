@@ -5,8 +5,8 @@ would make it fit.
 
 The activation term is linear in tokens x width per block, with constants measured by `python -m bench.memory`
 on FLUX.1-dev (bf16 autocast, rank 16, 1024 and 512 px + 512 text tokens; bench/memory.json): what autograd
-saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise). For SD3 and the UNets the
-Flux constants are a rule of thumb, not measured. The transient term (gradients in flight, a quantized weight's
+saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise; Wan's image-to-video
+families' in FAMILY_FACTORS). For SD3 and the UNets the Flux constants are a rule of thumb, not measured. The transient term (gradients in flight, a quantized weight's
 dequantize) is measured by bench/memory_peak.py's live-storage count (peak_gib); the CUDA context and fragmentation
 are not in it: `bench/gpu.py` measures a GPU's real peak."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import re
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 from tasks.config import Config, stored_as, updated
 from tasks.config_schema import TrainConfig
@@ -158,6 +159,47 @@ def activation_factors(config: dict) -> tuple[float, float, float]:
     return _declared_factors(config.get("_class_name")) or (ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR)
 
 
+class Factors(NamedTuple):
+    """A family's activation constants: values saved or held per token x width (a family declares the first three),
+    what train.gradient_checkpointing_offload copies to the host per block: `offloaded` per token x width, and
+    `text_offloaded` per text token x width where the caption is a block input beside the sequence (cross-attention)."""
+    per_block: float  # saved per block, no checkpointing
+    ckpt_input: float  # saved per checkpointed block (its inputs; the layers outside the blocks spread over them)
+    recompute: float  # one block's internals while its recompute is held in backward
+    in_flight: float = TRANSIENT_FACTOR  # what a block's backward holds beyond them (the gradients in flight)
+    offloaded: float = 1.0
+    text_offloaded: float = 0.0
+
+
+# By family, where the constants differ from those its adapter declares (or its denoiser class's), measured by
+# `python -m bench.memory --families` (bench/memory.json), families that share a denoiser class told apart:
+# - save_on_cpu copies every tensor input of every checkpointed block, a storage shared by the blocks once per block:
+#   Wan's and LTX-2's caption states (cross-attention's keys, not in the sequence; LTX-2's video and audio captions,
+#   4096 + 2048 wide at a 4096 width: 1.5), and Wan 2.2 TI2V-5B's per-token timestep embedding (6 values a token:
+#   7 in all with the block's hidden states).
+# - Wan 2.1 I2V-14B: the CLIP image tokens' keys, values and attention in every block's cross-attention (per block
+#   31.6 / 31.8 at 480x832, 81 / 33 frames; checkpointed 1.051 / 1.052, recompute 31.7 / 31.9).
+# - Wan 2.2 TI2V-5B: a timestep per token, so each block's AdaLN shift/scale is a per-token tensor, and an FFN 4.7x
+#   its width, Wan 14B's 2.7x (per block 50.5 / 50.7 at 704x1280, 121 / 49 frames; checkpointed 1.305; recompute
+#   50.7 / 50.9; in flight 19.0 / 19.0, TRANSIENT_FACTOR's 13 elsewhere).
+# Wan 2.2 I2V-A14B differs from Wan 2.1 T2V-14B in its patch embedding only: Wan's constants.
+_WAN_TEXT = {"text_offloaded": 1.0}
+FAMILY_FACTORS = {"wan": _WAN_TEXT, "wan22": _WAN_TEXT, "wan22_i2v": _WAN_TEXT, "ltx2": {"text_offloaded": 1.5},
+                  # the caption's 512 tokens (wan_i2v takes no other length) and the CLIP image's 257 beside them
+                  "wan_i2v": {"per_block": 31.7, "ckpt_input": 1.05, "recompute": 31.8, "text_offloaded": 1.5},
+                  "wan22_ti2v": {"per_block": 50.6, "ckpt_input": 1.31, "recompute": 50.8, "in_flight": 19.0,
+                                 "offloaded": 7.0, **_WAN_TEXT}}
+
+
+def family_factors(adapter) -> Factors | None:
+    """The activation constants of this adapter's family: those its adapter declares (else FLUX.1's) with its
+    FAMILY_FACTORS; None where it has neither (estimate then takes the denoiser class's, activation_factors)."""
+    declared, own = getattr(adapter, "activation_factors", None), FAMILY_FACTORS.get(getattr(adapter, "family", None))
+    if not declared and not own:
+        return None
+    return Factors(*(declared or (ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR)))._replace(**(own or {}))
+
+
 @functools.lru_cache(maxsize=None)  # the remedies' search estimates many settings of one model
 def _declared_factors(class_name: str | None) -> tuple[float, float, float] | None:
     import inspect
@@ -173,8 +215,9 @@ def _declared_factors(class_name: str | None) -> tuple[float, float, float] | No
 
 def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[str], size: tuple[int, int],
              text_tokens: int, denoiser_cls=None, swap_lists: tuple[str, ...] = (), copies: int = 1, *,
-             geometry) -> dict:
-    """`geometry`: the family's activation_geometry (tasks/models/bases/adapter.py).
+             geometry, factors: Factors | None = None) -> dict:
+    """`geometry`: the family's activation_geometry (tasks/models/bases/adapter.py); `factors`: its activation
+    constants (family_factors; None: the denoiser class's, activation_factors).
     `copies`: how many denoisers of this shape training holds (Wan 2.2's two experts under one LoRA): their
     weights count each, the LoRA and the activations once (one expert runs an item); train.blocks_to_swap takes
     the last copy's blocks first (wan22_experts.TwoExperts.blocks)."""
@@ -211,19 +254,21 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     tokens, width, blocks = geometry(config, size, text_tokens, cfg.data.frames)
     act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else _BYTES[mc.dtype]
     unit = tokens * width * act_dtype * tc.batch_size
-    per_block, ckpt_input, recompute = activation_factors(config)
+    f = Factors(*(factors or activation_factors(config)))
     if tc.gradient_checkpointing and tc.gradient_checkpointing_offload:
-        # each block's input (one token x width value each) waits on the host; one is back for its recompute
-        activations = (blocks * (ckpt_input - 1) + 1 + recompute) * unit
-        host_bytes += blocks * unit
+        # each block's input (one token x width value each) waits on the host; one is back for its recompute (what
+        # else comes back with it, TI2V-5B's timestep embedding, is in the family's in_flight); the host holds a copy
+        # of every block's inputs (Factors)
+        activations = (blocks * (f.ckpt_input - 1) + 1 + f.recompute) * unit
+        host_bytes += blocks * (f.offloaded * unit + f.text_offloaded * text_tokens * width * act_dtype * tc.batch_size)
     elif tc.gradient_checkpointing:
-        activations = (blocks * ckpt_input + recompute) * unit
+        activations = (blocks * f.ckpt_input + f.recompute) * unit
     else:
-        activations = blocks * per_block * unit
+        activations = blocks * f.per_block * unit
     largest = max((_numel(shapes[k]) for k, b in per_weight.items() if stored and k.endswith(".weight")
                    and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc.dtype]), default=0)
     upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored
-    transient = max(TRANSIENT_FACTOR * unit, UPCAST_BYTES.get(upcast, 0.0) * largest - lora * 4)
+    transient = max(f.in_flight * unit, UPCAST_BYTES.get(upcast, 0.0) * largest - lora * 4)
     total = held_bytes + lora_bytes + activations + transient
     return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
             "activations_gb": activations / GB, "transient_gb": transient / GB, "total_gb": total / GB,
@@ -334,7 +379,8 @@ def preflight(cfg: Config, adapter, size: tuple[int, int]) -> dict:
     def estimate_for(c):
         return estimate(c, adapter.model_dir, adapter.denoiser_subfolder, targets, size,
                         c.model.max_sequence_length, adapter.denoiser_cls if stored_as(c.model) else None,
-                        adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry)
+                        adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry,
+                        factors=family_factors(adapter))
 
     est = estimate_for(cfg)
     limit = cfg.train.memory_limit_gb
