@@ -86,6 +86,7 @@ class LTX2Adapter(TransformerAdapter):
     # LTX-2's video stream (48 blocks, 4096 wide, the audio stream one token): measured on LTX-2 at 768x512, 121 and 49
     # frames (bench.memory --families: 36.7/37.4 per block without checkpointing; 1.025/1.028 and 39.6/40.4 with)
     activation_factors = (37.0, 1.03, 40.0)
+    activation_extras = {"text_offloaded": 1.5}  # video and audio captions, 4096 + 2048 wide at a 4096 width
     # frame_step: the VAE's temporal factor (pipeline.vae_temporal_compression_ratio); 24 fps: LTX-2's native rate
     # (the pipeline's frame_rate default); min_side: the decoder pads by reflection, so a side needs two latent cells
     clips = Clips(frame_step=8, default_fps=24.0, min_side=64)

@@ -41,6 +41,8 @@ class WanAdapter(TransformerAdapter):
     # Wan's blocks save more per token (fp32 norms, cross-attention, a 2.7x FFN): measured on Wan 2.1 14B at 480x832,
     # 33 and 81 frames (bench.memory --families: 1228.3/1222.7 per 40 blocks without checkpointing, 72.9/72.7 with)
     activation_factors = (30.7, 1.03, 31.6)
+    # the caption's T5 states are every block's cross-attention input: offloaded with each block
+    activation_extras = {"text_offloaded": 1.0}
     clips = Clips(frame_step=4)  # the VAE's temporal factor: clips train at 1 + 4k frames
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     swap_blocks = ("blocks",)  # train.blocks_to_swap

@@ -20,6 +20,11 @@ class Wan22TI2VAdapter(WanAdapter):
     controls = Controls(most=1, required=True, first_frame=True)
     pipeline_cls = LazyClass("diffusers", "WanImageToVideoPipeline")  # loads the repository's WanPipeline folder
     size_multiple = 32  # the Wan 2.2 VAE's /16, then 2x2 patches
+    # a timestep per token, so each block's AdaLN shift/scale is a per-token tensor (6 values a token, offloaded
+    # with the block's hidden states: 7), and an FFN 4.7x its width (bench.memory: per block 50.5 / 50.7 at 704x1280,
+    # 121 / 49 frames; checkpointed 1.305; recompute 50.7 / 50.9; in flight 19.0, 13 elsewhere)
+    activation_factors = (50.6, 1.31, 50.8)
+    activation_extras = {"in_flight": 19.0, "offloaded": 7.0, "text_offloaded": 1.0}
 
     @staticmethod
     def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:

@@ -5,8 +5,8 @@ would make it fit.
 
 The activation term is linear in tokens x width per block, with constants measured by `python -m bench.memory`
 on FLUX.1-dev (bf16 autocast, rank 16, 1024 and 512 px + 512 text tokens; bench/memory.json): what autograd
-saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise; Wan's image-to-video
-families' in FAMILY_FACTORS). For SD3 and the UNets the Flux constants are a rule of thumb, not measured. The transient term (gradients in flight, a quantized weight's
+saves, counted from real tensor shapes (Wan's and LTX-2's measured on them likewise, Wan's image-to-video
+families' too: each adapter declares them). For SD3 and the UNets the Flux constants are a rule of thumb, not measured. The transient term (gradients in flight, a quantized weight's
 dequantize) is measured by bench/memory_peak.py's live-storage count (peak_gib); the CUDA context and fragmentation
 are not in it: `bench/gpu.py` measures a GPU's real peak."""
 from __future__ import annotations
@@ -171,33 +171,14 @@ class Factors(NamedTuple):
     text_offloaded: float = 0.0
 
 
-# By family, where the constants differ from those its adapter declares (or its denoiser class's), measured by
-# `python -m bench.memory --families` (bench/memory.json), families that share a denoiser class told apart:
-# - save_on_cpu copies every tensor input of every checkpointed block, a storage shared by the blocks once per block:
-#   Wan's and LTX-2's caption states (cross-attention's keys, not in the sequence; LTX-2's video and audio captions,
-#   4096 + 2048 wide at a 4096 width: 1.5), and Wan 2.2 TI2V-5B's per-token timestep embedding (6 values a token:
-#   7 in all with the block's hidden states).
-# - Wan 2.1 I2V-14B: the CLIP image tokens' keys, values and attention in every block's cross-attention (per block
-#   31.6 / 31.8 at 480x832, 81 / 33 frames; checkpointed 1.051 / 1.052, recompute 31.7 / 31.9).
-# - Wan 2.2 TI2V-5B: a timestep per token, so each block's AdaLN shift/scale is a per-token tensor, and an FFN 4.7x
-#   its width, Wan 14B's 2.7x (per block 50.5 / 50.7 at 704x1280, 121 / 49 frames; checkpointed 1.305; recompute
-#   50.7 / 50.9; in flight 19.0 / 19.0, TRANSIENT_FACTOR's 13 elsewhere).
-# Wan 2.2 I2V-A14B differs from Wan 2.1 T2V-14B in its patch embedding only: Wan's constants.
-_WAN_TEXT = {"text_offloaded": 1.0}
-FAMILY_FACTORS = {"wan": _WAN_TEXT, "wan22": _WAN_TEXT, "wan22_i2v": _WAN_TEXT, "ltx2": {"text_offloaded": 1.5},
-                  # the caption's 512 tokens (wan_i2v takes no other length) and the CLIP image's 257 beside them
-                  "wan_i2v": {"per_block": 31.7, "ckpt_input": 1.05, "recompute": 31.8, "text_offloaded": 1.5},
-                  "wan22_ti2v": {"per_block": 50.6, "ckpt_input": 1.31, "recompute": 50.8, "in_flight": 19.0,
-                                 "offloaded": 7.0, **_WAN_TEXT}}
-
-
 def family_factors(adapter) -> Factors | None:
-    """The activation constants of this adapter's family: those its adapter declares (else FLUX.1's) with its
-    FAMILY_FACTORS; None where it has neither (estimate then takes the denoiser class's, activation_factors)."""
-    declared, own = getattr(adapter, "activation_factors", None), FAMILY_FACTORS.get(getattr(adapter, "family", None))
-    if not declared and not own:
+    """The activation constants an adapter declares (`activation_factors`, else FLUX.1's, with its
+    `activation_extras`, measured by `python -m bench.memory --families`: families that share a denoiser class told
+    apart); None where it declares neither (estimate then takes the denoiser class's, activation_factors)."""
+    declared, extras = getattr(adapter, "activation_factors", None), getattr(adapter, "activation_extras", {})
+    if not declared and not extras:
         return None
-    return Factors(*(declared or (ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR)))._replace(**(own or {}))
+    return Factors(*(declared or (ACT_FACTOR, CKPT_INPUT_FACTOR, RECOMPUTE_FACTOR)))._replace(**extras)
 
 
 @functools.lru_cache(maxsize=None)  # the remedies' search estimates many settings of one model

@@ -136,6 +136,10 @@ class FamilyAdapter(ABC):
     # The preflight's activation constants (per block, per checkpointed block, one recompute; saved values per token
     # x width), where measured on the family itself (tasks/training/memory.py); None: FLUX.1's
     activation_factors: tuple[float, float, float] | None = None
+    # The rest of tasks/training/memory.py's Factors where the family's differ (measured by bench.memory): what a
+    # block's backward holds in flight, what train.gradient_checkpointing_offload copies per token x width and per
+    # text token x width (a caption that is a block input beside the sequence); {}: the defaults
+    activation_extras: dict = {}
 
     def configure(self, model_cfg: ModelConfig) -> None:
         """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""
