@@ -40,7 +40,9 @@ _KINDS = {"cache_latents": cache_latents.KIND, "cache_text": cache_text.KIND, "t
 
 def _result(store: Store, state) -> dict | None:
     """The node's result the store holds under the key Prefect returned (a copy, with that key as "ref"), or
-    None."""
+    None. A failed node raises its own error here (not a KeyError of the result it did not leave)."""
+    if state.is_failed() or state.is_crashed():
+        state.result()
     try:
         returned = dict(state.result())
         ref = returned.pop("result")

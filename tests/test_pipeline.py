@@ -149,3 +149,18 @@ def test_lora_alpha_survives_into_the_loaded_pipeline(workspace):
     # a product over rank 4, and the scale: 2 roundings
     assert_close(peft[f"{m}.lora_B.weight"] @ peft[f"{m}.lora_A.weight"],
                  4.0 * kohya[f"{k}.lora_up.weight"] @ kohya[f"{k}.lora_down.weight"], n=4, stages=2, what=m)
+
+
+def test_a_node_that_fails_raises_its_own_error(prefect_api, tmp_path, monkeypatch):
+    """A node's unexpected error reaches the caller as itself: a KeyError in cache_latents was once read as "no
+    stored result" and surfaced as a TypeError of the flow's bookkeeping."""
+    from flows.train import train_flow
+    from tasks import cache_latents
+
+    def broken(*a, **k):
+        raise KeyError("image")
+
+    monkeypatch.setattr(cache_latents, "run", broken)
+    with pytest.raises(KeyError, match="image"):
+        train_flow("train", [f"data.dir={REPO / 'data' / 'demo'}", f"store.root={tmp_path / 'store'}",
+                             f"hydra.run.dir={tmp_path / 'run'}"])
