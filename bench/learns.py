@@ -432,13 +432,16 @@ def main(argv: list[str] | None = None) -> int:
             r["mutations"] = mutated(model, base, files, root)
         r["settings"] = {**SETTINGS[model], "batch": SETTINGS[model].get("batch", REPEATS), "size": SIZE, "render_steps": RENDER_STEPS,
                          "seconds": round(time.time() - t0, 1)}
-        r["images"] = on_images(model, images)
+        if images:  # else the last figures stay (--images none)
+            r["images"] = on_images(model, images)
+        elif "images" in result["families"].get(model, {}):
+            r["images"] = result["families"][model]["images"]
         result["families"][model] = r
         print(f"{model}: ratio {r['ratio']:.3f} (err {r['err_lora']:.4g} / {r['err_base']:.4g}), files "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["files"].items()) + f", {r['settings']['seconds']} s; "
               + "; ".join(f"{m} " + ", ".join(f"{k} {_shown(v, model)}" for k, v in fs.items())
                           for m, fs in r["mutations"].items())
-              + "; images " + ", ".join(f"{k} {v:.3f}" for k, v in r["images"].items()), flush=True)
+              + "; images " + ", ".join(f"{k} {v:.3f}" for k, v in r.get("images", {}).items()), flush=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     if out == REPO / "bench" / "learns.json":
         write_results(result)
