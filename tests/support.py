@@ -305,3 +305,18 @@ def comfyui_unet_key_map(denoiser_names, ldm_names=()):
             d = p + n.replace(".to_", ".processor.to_")
             out[d[:-2] if d.endswith(".to_out.0") else d] = n
     return out
+
+
+def box_clip(path, n: int, color, fps: float = 8, first=None) -> Path:
+    """An mp4 of a box of `color` moving right 2 px a frame over a grey ground, 40x40, `n` frames (the video
+    tests' clip); `first`: another colour for the first frame's box (an image-to-video edit)."""
+    import numpy as np
+
+    from tasks.data.clips import write_mp4
+
+    frames = []
+    for i in range(n):
+        a = np.full((40, 40, 3), 40, np.uint8)
+        a[12:26, 2 + 2 * i:14 + 2 * i] = first if (i == 0 and first) else color
+        frames.append(a)
+    return write_mp4(frames, path, fps)

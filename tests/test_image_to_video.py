@@ -16,17 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from tasks import cache_latents, publish, validate
 from tasks.config import ConfigError, compose, resolve_paths
-from tasks.data.clips import inspect_clip, read_frames, write_mp4
+from tasks.data.clips import inspect_clip, read_frames
 from tasks.models import make_adapter
 from tasks.store import Store
-from support import run_nodes
+from support import box_clip, run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 FPS = 8
@@ -34,13 +33,7 @@ I2V = ("tiny_wan_i2v", "tiny_wan22_i2v", "tiny_wan22_ti2v")
 
 
 def _clip(path: Path, n: int, color, first=None, fps: float = FPS) -> Path:
-    """A box of `color` moving right 2 px a frame over a grey ground, 40x40; `first`: another first frame's colour."""
-    frames = []
-    for i in range(n):
-        a = np.full((40, 40, 3), 40, np.uint8)
-        a[12:26, 2 + 2 * i:14 + 2 * i] = first if (i == 0 and first) else color
-        frames.append(a)
-    return write_mp4(frames, path, fps)
+    return box_clip(path, n, color, fps, first)
 
 
 @pytest.fixture

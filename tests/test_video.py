@@ -22,23 +22,17 @@ from PIL import Image
 
 from tasks import cache_latents, cache_text, publish, sample, train, validate
 from tasks.config import ConfigError, compose, resolve_paths
-from tasks.data.clips import inspect_clip, read_frames, write_mp4
+from tasks.data.clips import inspect_clip, read_frames
 from tasks.data.dataset import DatasetError
 from tasks.store import Store
-from support import run_nodes  # validate, both caches, train, sample
+from support import box_clip, run_nodes  # validate, both caches, train, sample
 
 REPO = Path(__file__).resolve().parents[1]
 FPS = 8
 
 
 def _clip(path: Path, n: int, color, fps: float = FPS) -> Path:
-    """A box of `color` moving right 2 px a frame over a grey ground, 40x40."""
-    frames = []
-    for i in range(n):
-        a = np.full((40, 40, 3), 40, np.uint8)
-        a[12:26, 2 + 2 * i:14 + 2 * i] = color
-        frames.append(a)
-    return write_mp4(frames, path, fps)
+    return box_clip(path, n, color, fps)
 
 
 @pytest.fixture
