@@ -243,3 +243,25 @@ def test_kohya_file_is_mapped_completely_by_comfyui(adapter):
         want = 2.0 * (sd[f"{m}.lora_B.weight"].double() @ sd[f"{m}.lora_A.weight"].double())
         assert (merged[m] - want).abs().max() <= REL * want.abs().max(), m
     assert comfyui_loads_kohya("ltx2")
+
+
+def test_the_chain_probes_as_trained_render_reads_no_audio(model):
+    """bench.learns_chain (issue 48 item 2): LTX-2's "as_trained" render has no audio-to-video attention, as its video
+    LoRA trains: its video is the same whatever audio the pipeline generates beside it (exact: the video tokens' own
+    arithmetic is unchanged); the pipeline as it is reads that audio in every block."""
+    from diffusers import LTX2Pipeline
+
+    from bench.learns_chain import VARIANTS
+
+    def video(pipe, audio_guidance):  # the audio trajectory differs by its CFG scale; the video's settings do not
+        return pipe(prompt="a red box moving right", negative_prompt="", width=64, height=64, num_frames=9,
+                    frame_rate=12.0, num_inference_steps=2, guidance_scale=1.0, modality_scale=1.0,
+                    audio_guidance_scale=audio_guidance, stg_scale=0.0, audio_stg_scale=0.0,
+                    spatio_temporal_guidance_blocks=None, use_cross_timestep=False, max_sequence_length=L,
+                    generator=torch.Generator().manual_seed(0), output_type="latent").frames
+
+    pipe = LTX2Pipeline.from_pretrained(model, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    assert not torch.equal(video(pipe, 4.0), video(pipe, 7.0))  # joint: the audio reaches the video
+    isolated = VARIANTS["tiny_ltx2"]["as_trained"](pipe)
+    assert torch.equal(video(isolated, 4.0), video(isolated, 7.0))
