@@ -41,6 +41,39 @@ def prefect_home(path: Path) -> str:
         if (_MIGRATED / name).exists() and not (path / name).exists():
             shutil.copyfile(_MIGRATED / name, path / name)
     return str(path)
+_SHARED_API: dict | None = None  # {"url": ..., "stack": ExitStack}: one real server per test process
+
+
+def shared_api_url() -> str:
+    """The URL of one real `prefect server start` per test process (xdist worker), started on first use and
+    stopped when the session ends. CLI runs that do not test the temporary API itself use it: each run would
+    otherwise start its own, about 5 s of CPU a run on 2 cores (a no-op run: 6.2 s of CPU with its own, 1.4 s
+    with a running server; measured 11-27). The temporary API keeps its own tests (test_concurrent_runs.py, the
+    demo, test_cli.py, the Ctrl-C tests of test_terminal.py)."""
+    global _SHARED_API
+    if _SHARED_API is None:
+        import contextlib
+
+        from prefect_server import prefect_server
+
+        stack = contextlib.ExitStack()
+        server = stack.enter_context(prefect_server(Path(tempfile.mkdtemp(prefix="loraflow-shared-api-"))))
+        _SHARED_API = {"url": server.url, "stack": stack}
+    return _SHARED_API["url"]
+
+
+def cli_env(home: Path, **extra) -> dict[str, str]:
+    """The environment of a CLI run in a test: this test's PREFECT_HOME (its result storage), the shared API."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    return {**env, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(Path(home)), "PREFECT_API_URL": shared_api_url(),
+            **extra}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SHARED_API is not None:
+        _SHARED_API["stack"].close()
+
+
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
 
 

@@ -20,7 +20,8 @@ def test_cli_runs_the_demo_and_writes_the_report(tmp_path):
     shutil.copytree(REPO / "data" / "demo", data)
     run_dir = tmp_path / "run"
     proc = run_cli([f"data.dir={data}", f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}",
-                 "train.max_steps=8", "train.log_every=4", "sample.steps=2"], REPO, tmp_path)
+                 "train.max_steps=8", "train.log_every=4", "sample.steps=2"], REPO, tmp_path,
+                   own_api=True)  # as `make run` runs: its own temporary API
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["nodes"]["train"]["status"] == "ran"

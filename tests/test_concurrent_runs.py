@@ -39,7 +39,8 @@ def test_runs_started_together_on_a_fresh_prefect_home_all_finish(tmp_path):
     failed = [f"run {i}: exit {p.returncode}: {err[-1500:]}" for i, (p, (_, err)) in enumerate(zip(procs, outs))
               if p.returncode != 0]
     assert not failed, "\n".join(failed)
-    alone = run_cli([*ARGS, f"store.root={tmp_path / 'alone'}", f"hydra.run.dir={tmp_path / 'ra'}"], tmp_path, tmp_path)
+    alone = run_cli([*ARGS, f"store.root={tmp_path / 'alone'}", f"hydra.run.dir={tmp_path / 'ra'}"], tmp_path, tmp_path,
+                    own_api=True)
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert all(_lora(tmp_path / f"r{i}") == _lora(tmp_path / "ra") for i in range(N))
 
@@ -101,8 +102,8 @@ def test_an_api_that_goes_away_mid_run_is_one_line_and_the_same_command_continue
     assert run.returncode == EXIT_NO_API, output[-3000:]
     assert "stopped answering during the run" in output and "Traceback" not in output, output[-3000:]
     assert "Error logging to API" not in output and "EventsWorker" not in output  # Prefect's services: quiet
-    again = run_cli([*args, f"hydra.run.dir={tmp_path / 'r2'}"], tmp_path, tmp_path)  # a temporary server now
+    again = run_cli([*args, f"hydra.run.dir={tmp_path / 'r2'}"], tmp_path, tmp_path, own_api=True)  # a temporary one now
     assert again.returncode == 0, again.stderr[-2000:]
     whole = run_cli([*ARGS, "train.max_steps=300", "train.log_every=1", f"store.root={tmp_path / 'w'}",
-                     f"hydra.run.dir={tmp_path / 'rw'}"], tmp_path, tmp_path)
+                     f"hydra.run.dir={tmp_path / 'rw'}"], tmp_path, tmp_path, own_api=True)
     assert whole.returncode == 0 and _lora(tmp_path / "r2") == _lora(tmp_path / "rw")

@@ -27,7 +27,6 @@ import importlib
 import importlib.util
 import itertools
 import json
-import os
 import re
 import shlex
 import shutil
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import prefect_home
+from conftest import cli_env
 from support import CONSOLE, PYTHONS, Block, Command, DOCS, check_overrides, doc_blocks, doc_commands  # noqa: F401
 
 try:
@@ -106,9 +105,7 @@ def _run(program: list[str], flags: list[str], overrides: list[str], sandbox: Pa
             swapped.append(o)
     args = [*program, *flags, *swapped, f"store.root={sandbox / 'store'}", f"hydra.run.dir={sandbox / 'run'}"]
     if tuple(args) not in _RAN:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(sandbox / "prefect-home")}
-        for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING"):
-            env.pop(name, None)
+        env = cli_env(sandbox / "prefect-home")  # the test process's shared API
         proc = subprocess.run(args, cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
         assert proc.returncode == 0, f"{where}: {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         _RAN[tuple(args)] = proc.stdout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data.prompts import PromptLineError, SamplePrompt, parse_prompt_line, read_prompts
 from tasks.validate import config_errors
 from tasks.models import FAMILIES
-from conftest import prefect_home
+from conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
@@ -304,7 +303,7 @@ def cli_runs(tmp_path_factory):
     started = {}
     for name, (overrides, _) in CLI_CASES.items():
         tmp = tmp_path_factory.mktemp(name)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp / "prefect-home")}
+        env = cli_env(tmp / "prefect-home")  # the test process's shared API
         started[name] = tmp, subprocess.Popen(
             [sys.executable, "-m", "flows.train", *overrides, f"hydra.run.dir={tmp / 'run'}", f"store.root={tmp / 'store'}"],
             cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -13,7 +13,6 @@ tiny_hunyuan_video15.py): the tiny HunyuanVideo15Pipeline is built offline, dete
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -198,11 +197,10 @@ def test_saved_lora_loads_with_load_lora_adapter_and_changes_the_output(adapter,
 def test_whole_dag_through_the_cli_on_the_demo_clips(tmp_path):
     """validate -> cache_latents -> cache_text -> train -> sample -> report through `python -m flows.train
     model=tiny_hunyuan_video15` on the demo clips (4 clips of 17 frames at 16 fps, one still image) at 64 px."""
-    from conftest import prefect_home
+    from conftest import cli_env
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # the CLI starts its own API, as `make run` does
+    env = cli_env(tmp_path / "prefect-home")
     proc = subprocess.run(
         [sys.executable, "-m", "flows.train", "model=tiny_hunyuan_video15", "data=demo_clips", "train.max_steps=2",
          "sample.steps=2", f"sample.prompts_file={REPO / 'data' / 'demo_clips_prompts.txt'}", "train.log_with=none",

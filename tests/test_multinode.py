@@ -14,15 +14,14 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from conftest import REPO, prefect_home
+from conftest import REPO, cli_env
 from prefect_server import free_port
 
 STEPS = ["train.max_steps=4", "train.log_every=1", "train.batch_size=4", "sample.steps=2"]
 
 
 def _cli(tmp_path, name, args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / f"prefect-{name}")}
-    env.pop("PREFECT_API_URL", None)
+    env = cli_env(tmp_path / f"prefect-{name}")  # its own PREFECT_HOME; the test process's shared API
     return subprocess.Popen([sys.executable, "-m", "flows.train", *args, f"hydra.run.dir={tmp_path / name}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -4,18 +4,16 @@ trials; members share the store as grid sweeps do; the summary names the best tr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import yaml
 
-from conftest import REPO, prefect_home
+from conftest import REPO, cli_env
 
 
 def _sweep(tmp_path, name):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
+    env = cli_env(tmp_path / "prefect-home")
     proc = subprocess.run([sys.executable, "-m", "flows.train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
                            "hydra.sweeper.n_jobs=1", "train.lr=interval(0.0005,0.005)", "train.max_steps=4",
                            "sample.steps=2", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={tmp_path / name}"],

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import prefect_home
+from conftest import shared_api_url
 from faults import REPO, child, data_of, debris, entries, flip, largest_file, snapshot, truncate
 from tasks.store.hashing import digest_file, digest_tree
 from tasks.store import Store, StoreFull, track_repairs
@@ -210,7 +210,7 @@ runpy.run_module("flows.train", run_name="__main__", alter_sys=True)
 def test_cli_says_the_disk_is_full(tmp_path):
     store = tmp_path / "store"
     proc = child(_CLI_FULL, f"store.root={store}", f"hydra.run.dir={tmp_path / 'run'}", "train.max_steps=2",
-                 env={"PREFECT_HOME": prefect_home(tmp_path / "prefect-home"), "PREFECT_API_URL": None}, timeout=300)
+                 env={"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": shared_api_url()}, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:]
     said = re.search(r"loraflow: stopped: .*the disk is full.*" + re.escape(str(store)), proc.stdout)
     assert said, proc.stdout[-3000:]

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from conftest import prefect_home
+from conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,8 +17,7 @@ def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
     data, prompts, sweep = tmp_path / "data", tmp_path / "prompts.txt", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", data)
     shutil.copyfile(REPO / "data" / "demo_prompts.txt", prompts)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # one process, one ephemeral API for every member
+    env = cli_env(tmp_path / "prefect-home")  # one process, one API for every member
     proc = subprocess.run(
         [sys.executable, "-m", "flows.train", "-m", "train.lr=1e-3,2e-3", f"data.dir={data}",
          f"sample.prompts_file={prompts}", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
@@ -54,8 +52,7 @@ def test_sweep_with_a_failing_member_summarises_it_and_exits_non_zero(tmp_path):
     the summary lists it as failed with its error, and the sweep exits non-zero with one line, no traceback."""
     good, missing, sweep = tmp_path / "good", tmp_path / "missing", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", good)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
+    env = cli_env(tmp_path / "prefect-home")
     proc = subprocess.run(
         [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{good}", f"store.root={tmp_path / 'store'}",
          f"hydra.sweep.dir={sweep}", "train.max_steps=4", "train.log_every=2", "sample.steps=2"],

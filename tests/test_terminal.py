@@ -13,20 +13,23 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import prefect_home
+from conftest import cli_env, prefect_home
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["train.max_steps=300", "train.log_every=1", "sample.steps=2"]
 
 
-def _env(tmp_path):
+def _env(tmp_path, own_api=False):
+    """The test process's shared API, or (`own_api`) none: the run starts its temporary one, in its group."""
+    if not own_api:
+        return cli_env(tmp_path / "prefect-home")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     return env
 
 
-def _start(args, tmp_path, log):
-    return subprocess.Popen([sys.executable, "-m", "flows.train", *args], cwd=REPO, env=_env(tmp_path),
+def _start(args, tmp_path, log, own_api=False):
+    return subprocess.Popen([sys.executable, "-m", "flows.train", *args], cwd=REPO, env=_env(tmp_path, own_api),
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -47,7 +50,8 @@ def _port_open(port: int) -> bool:
 
 def _interrupt_in_training(tmp_path, signum, name):
     log, run_dir = tmp_path / f"{name}.log", tmp_path / name
-    proc = _start([f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}", *TRAIN], tmp_path, log)
+    proc = _start([f"store.root={tmp_path / 'store'}", f"hydra.run.dir={run_dir}", *TRAIN], tmp_path, log,
+                  own_api=True)  # Ctrl-C reaches its temporary API server too
     _wait_for(log, r"train: step +2/", proc)
     os.killpg(proc.pid, signum)  # what a terminal's Ctrl-C does: the whole process group
     rc = proc.wait(timeout=600)
