@@ -71,6 +71,11 @@ def training_clip(model: str, image: str = "demo") -> list[Image.Image]:
     return [Image.fromarray(np.roll(np.asarray(img), 4 * k, axis=1)) for k in range(FRAMES)]
 
 
+# (model, image) -> the clip dataset() last wrote: evaluate() reads the bytes the run trained on, since the same
+# frames do not always encode to the same mp4 bytes (docs/learning.md)
+_WRITTEN: dict[tuple[str, str], Path] = {}
+
+
 def dataset(root: Path, model: str, image: str = "demo") -> Path:
     """The one training image, exactly SIZE px (no resize: its latent here is the cache's), and its caption;
     a video family's: one clip at SIZE px."""
@@ -81,6 +86,7 @@ def dataset(root: Path, model: str, image: str = "demo") -> Path:
         from tasks.data.clips import write_mp4
 
         write_mp4(training_clip(model, image), data / "img.mp4", fps=CLIP_FPS)
+        _WRITTEN[(model, image)] = data / "img.mp4"
         if SETTINGS[model].get("i2v"):  # rendered from the first frame loraflow reads (after H.264)
             first_frame(data / "img.mp4").save(root / "first.png")
             (root / "prompts.txt").write_text(caption + " --i first.png\n")
@@ -258,12 +264,13 @@ def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo"
     name, (image, caption) = image, training_image(model, image)
     clip = SETTINGS.get(model, {}).get("clip")
     if clip:  # the clip as decoded from its mp4 (what loraflow encoded), not the frames before H.264
-        from tasks.data.clips import read_frames
+        from tasks.data.clips import read_frames, write_mp4
 
         with tempfile.TemporaryDirectory() as tmp:
-            from tasks.data.clips import write_mp4
-
-            decoded = read_frames(write_mp4(training_clip(model, name), Path(tmp) / "c.mp4", fps=CLIP_FPS), FRAMES)
+            written = _WRITTEN.get((model, name))
+            if written is None or not written.exists():
+                written = write_mp4(training_clip(model, name), Path(tmp) / "c.mp4", fps=CLIP_FPS)
+            decoded = read_frames(written, FRAMES)
         image = [Image.fromarray(f) for f in decoded]
     target = image_latent(pipe, image)
     control = image[0] if i2v else control_image(model, name)  # image-to-video: from the clip's first frame

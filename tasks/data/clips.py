@@ -153,8 +153,8 @@ def write_mp4(frames, path, fps: float) -> Path:
             for a in arr:
                 if a.shape[:2] != (stream.height, stream.width):
                     a = np.pad(a, ((0, stream.height - h), (0, stream.width - w), (0, 0)), mode="edge")
-                # converted here, not by the encoder: PyAV's implicit conversion gave different bytes for the
-                # same frames depending on the process's heap (3 outcomes in 40 writes; explicit: 1 in 150)
+                # converted here, not by the encoder: fewer outcomes for the same frames (the bytes still vary
+                # with the process's state: docs/learning.md)
                 frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(a), format="rgb24").reformat(format="yuv420p")
                 for packet in stream.encode(frame):
                     container.mux(packet)
