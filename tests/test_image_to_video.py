@@ -10,7 +10,6 @@ against diffusers' own WanImageToVideoPipeline (real mp4 clips, real pipeline pa
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tasks.config import ConfigError, compose, resolve_paths
 from tasks.data.clips import inspect_clip, read_frames
 from tasks.models import make_adapter
 from tasks.store import Store
+from conftest import cli_env
 from support import box_clip, run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def test_bad_input_is_one_clear_error(clips, change, override, says):
 
 def test_cli_says_one_line_and_exits_2(clips):
     _clip(clips / "data" / "green.mp4", 6, (0, 255, 0))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(clips / "prefect")}
+    env = cli_env(clips / "prefect")
     done = subprocess.run([sys.executable, "-m", "flows.train", "model=tiny_wan_i2v", f"data.dir={clips / 'data'}",
                            f"store.root={clips / 'store'}", "data.frames=9", "data.resolution=32",
                            f"sample.prompts_file={clips / 'prompts.txt'}", f"hydra.run.dir={clips / 'run'}"],
