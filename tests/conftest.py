@@ -41,6 +41,8 @@ def prefect_home(path: Path) -> str:
         if (_MIGRATED / name).exists() and not (path / name).exists():
             shutil.copyfile(_MIGRATED / name, path / name)
     return str(path)
+
+
 _SHARED_API: dict | None = None  # {"url": ..., "stack": ExitStack}: one real server per test process
 
 
@@ -67,6 +69,13 @@ def cli_env(home: Path, **extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
     return {**env, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": str(Path(home)), "PREFECT_API_URL": shared_api_url(),
             **extra}
+
+
+def temporary_api_env(home: Path) -> dict[str, str]:
+    """The environment of a CLI run that starts its own temporary API, as `make run` does (no PREFECT_API_URL;
+    its PREFECT_HOME's database already migrated)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return {**env, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(home)}
 
 
 def pytest_sessionfinish(session, exitstatus):

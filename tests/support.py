@@ -3,7 +3,6 @@ tests import shared helpers from this one module, never another test file's priv
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import shlex
 import shutil
@@ -17,7 +16,7 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 
-from conftest import cli_env, prefect_home
+from conftest import cli_env, temporary_api_env
 from families import image_families
 from tasks.config import config_of
 from tasks.config_schema import ModelConfig, TrainConfig
@@ -125,11 +124,7 @@ def check_overrides(overrides: list[str], where: str, config_name: str = "train"
 def run_cli(args, cwd, tmp_path, own_api: bool = False):
     """`python -m flows.train ARGS` against the test process's shared API, or (`own_api`) starting its own
     temporary one, as `make run` does."""
-    if own_api:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-        env.pop("PREFECT_API_URL", None)
-    else:
-        env = cli_env(tmp_path / "prefect-home")
+    env = (temporary_api_env if own_api else cli_env)(tmp_path / "prefect-home")
     return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=600)
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, prefect_home
+from conftest import cli_env, temporary_api_env
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["train.max_steps=300", "train.log_every=1", "sample.steps=2"]
@@ -21,11 +21,7 @@ TRAIN = ["train.max_steps=300", "train.log_every=1", "sample.steps=2"]
 
 def _env(tmp_path, own_api=False):
     """The test process's shared API, or (`own_api`) none: the run starts its temporary one, in its group."""
-    if not own_api:
-        return cli_env(tmp_path / "prefect-home")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
-    return env
+    return (temporary_api_env if own_api else cli_env)(tmp_path / "prefect-home")
 
 
 def _start(args, tmp_path, log, own_api=False):

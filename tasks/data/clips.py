@@ -155,7 +155,7 @@ def write_mp4(frames, path, fps: float) -> Path:
                     a = np.pad(a, ((0, stream.height - h), (0, stream.width - w), (0, 0)), mode="edge")
                 # converted here, not by the encoder: fewer outcomes for the same frames (the bytes still vary
                 # with the process's state: docs/learning.md)
-                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(a), format="rgb24").reformat(format="yuv420p")
+                frame = av.VideoFrame.from_ndarray(a, format="rgb24").reformat(format="yuv420p")
                 for packet in stream.encode(frame):
                     container.mux(packet)
             for packet in stream.encode():
