@@ -173,6 +173,26 @@ def merge(speed_file, results_file) -> None:
     results.write_text(json.dumps(merged, indent=1, default=str) + "\n")
 
 
+def write(out: Path, rows: dict, args, device, t0: float) -> None:
+    """The result so far (ratios, MFU, figures) to `out`, atomically."""
+    import torch
+
+    flops, peak = rows["bf16"].get("flops"), peak_flops(device)
+    for r in rows.values():
+        if r.get("step_median_s") and rows["bf16"].get("step_median_s"):
+            r["vs_bf16"] = r["step_median_s"] / rows["bf16"]["step_median_s"]
+        if flops and peak and r.get("step_median_s"):
+            r["mfu"] = flops / r["step_median_s"] / peak
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+              "arch": "tiny" if args.tiny else "FLUX.1-dev", "resolution": args.resolution, "rank": args.rank,
+              "step_flops": flops, "peak_bf16_flops": peak, "settings": list(rows.values()),
+              "figures": figures(rows), "seconds": round(time.time() - t0, 1)}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    tmp.replace(out)
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -186,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text-len", type=int, default=None, help="T5 tokens (default 512; --tiny 16)")
     ap.add_argument("--out", default=None, help="default bench/gpu_speed.json (--tiny: bench/gpu_speed_tiny.json)")
     ap.add_argument("--merge", default=None, help="a bench.gpu results file whose `figures` gain these")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: start no setting after this (bf16's re-run still)")
     args = ap.parse_args(argv)
     arch = TINY if args.tiny else FLUX_DEV
     args.steps = args.steps or (1 if args.tiny else 4)
@@ -199,27 +220,19 @@ def main(argv=None) -> int:
         print(f"--only: unknown setting(s) {unknown}; choose from {', '.join(SETTINGS)}", file=sys.stderr)
         return 2
     order = ["bf16", *[n for n in wanted if n != "bf16"], "bf16"]  # bf16 first and last: the drift
+    out = Path(args.out or HERE / ("gpu_speed_tiny.json" if args.tiny else "gpu_speed.json"))
     rows, t0 = {}, time.time()
     for i, name in enumerate(order):
+        if args.budget and time.time() - t0 > args.budget and i < len(order) - 1:
+            print(f"{name}: not started, past --budget {args.budget:.0f} s", flush=True)
+            continue
         print(f"{name} ...", flush=True)
         r = measure(name, args, arch, device, count_flops=(i == 0))
         if i and name == "bf16":
             rows["bf16"]["again_step_median_s"] = r["step_median_s"]
         else:
             rows[name] = r
-    flops, peak = rows["bf16"].get("flops"), peak_flops(device)
-    for r in rows.values():
-        if r.get("step_median_s") and rows["bf16"].get("step_median_s"):
-            r["vs_bf16"] = r["step_median_s"] / rows["bf16"]["step_median_s"]
-        if flops and peak and r.get("step_median_s"):
-            r["mfu"] = flops / r["step_median_s"] / peak
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-              "arch": "tiny" if args.tiny else "FLUX.1-dev", "resolution": args.resolution, "rank": args.rank,
-              "step_flops": flops, "peak_bf16_flops": peak, "settings": list(rows.values()),
-              "figures": figures(rows), "seconds": round(time.time() - t0, 1)}
-    out = Path(args.out or HERE / ("gpu_speed_tiny.json" if args.tiny else "gpu_speed.json"))
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write(out, rows, args, device, t0)  # after every setting: a run cut short keeps what it measured
     if args.merge:
         merge(out, args.merge)
     for r in rows.values():
