@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     out = Path(args.out or HERE / ("gpu_speed_tiny.json" if args.tiny else "gpu_speed.json"))
     rows, t0 = {}, time.time()
     for i, name in enumerate(order):
-        if args.budget and time.time() - t0 > args.budget and i < len(order) - 1:
+        if args.budget and time.time() - t0 > args.budget and 0 < i < len(order) - 1:
             print(f"{name}: not started, past --budget {args.budget:.0f} s", flush=True)
             continue
         print(f"{name} ...", flush=True)

@@ -156,6 +156,10 @@ def _check_device(cfg: Config) -> list[str]:
         errors.append(f"model.matmul=w8a8 multiplies an fp8 or int8 base in its own type; with model.quantize="
                       f"{quantize} there is none (nf4's is model.matmul=bnb, bitsandbytes' matmul_4bit); set "
                       "model.quantize=fp8 or int8, or model.matmul=auto")
+    elif cfg.model.matmul == "w8a8" and w8a8.kind_of(cfg.model) == "fp8" and cuda_available() \
+            and not w8a8.available("fp8"):
+        errors.append("model.matmul=w8a8 on an fp8 base needs torch._scaled_mm's fp8 kernel, which this GPU lacks "
+                      "(compute capability 8.9+: Ada, Hopper); set model.matmul=dequantize or auto")
     elif cfg.model.matmul == "bnb" and quantize != "nf4":
         errors.append(f"model.matmul=bnb multiplies an nf4 base by bitsandbytes' matmul_4bit; with model.quantize="
                       f"{quantize} there is none; set model.quantize=nf4, or model.matmul=auto")

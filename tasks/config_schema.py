@@ -36,8 +36,8 @@ class ModelConfig:
     # int8 / nf4: torchao's tensors, tasks/training/quantized_base.py)
     quantize: str = "none"
     # auto | dequantize | w8a8 | bnb: how a stored base multiplies (tasks/training/w8a8.py): w8a8 an fp8 / int8
-    # one, bnb an nf4 one (bitsandbytes' matmul_4bit, nf4_kernel.py); auto: the kernel on a CUDA GPU that has it,
-    # else dequantize (the weight upcast, then a compute-dtype matmul)
+    # one, bnb an nf4 one (bitsandbytes' matmul_4bit, nf4_kernel.py); auto: bnb for nf4 on a CUDA GPU that has its
+    # kernels, else dequantize (the weight upcast, then a compute-dtype matmul; faster than w8a8 on an H200)
     matmul: str = "auto"
     max_sequence_length: int = 32
     # Wan 2.2: high | low, the expert a run trains, or both (one LoRA; tasks/models/wan22.py); null elsewhere

@@ -25,3 +25,12 @@ def test_the_speed_bench_runs_its_settings_through_the_train_nodes_code(tmp_path
     gpu_speed.merge(out, results)
     names = [f["name"] for f in json.loads(results.read_text())["figures"]]
     assert names[0] == "other" and len(names) == 1 + len(result["figures"])
+
+
+def test_a_run_past_its_budget_keeps_what_it_measured(tmp_path):
+    """--budget: no setting starts after it but bf16's re-run (the drift); the JSON holds the rows measured."""
+    out = tmp_path / "speed.json"
+    assert gpu_speed.main(["--tiny", "--only", "fp8,int8", "--steps", "1", "--warmup", "0", "--budget", "1e-9",
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["name"] for r in result["settings"]] == ["bf16"] and result["settings"][0]["again_step_median_s"] > 0

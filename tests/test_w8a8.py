@@ -76,6 +76,42 @@ def test_fp8_forward_and_input_gradient_within_the_rounding_of_e4m3_and_e5m2():
     assert ((gx.double() - ref).abs() <= step @ wd.abs() + 2 ** -8 * ref.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("m", [5, 16, 17, 40])
+def test_int8_mm_operands_for_cuda_keep_the_product(m):
+    """CUDA's torch._int_mm gets the weight column-major and at least 17 rows (w8a8._cuda_operands); the product
+    of those operands, rows cut back, is the same integers (checked in float64: |sum| <= 64 * 128 * 128 < 2^53).
+    The CPU's kernel (safe_int_mm) is exact in either layout."""
+    from torchao.kernel.intmm import safe_int_mm
+
+    g = torch.Generator().manual_seed(m)
+    a = torch.randint(-128, 128, (m, 64), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
+    gq = torch.randint(-128, 128, (m, 48), generator=g, dtype=torch.int8)
+    for lhs, b, exact in ((a, w.t(), a.double() @ w.double().t()), (a, w.t().contiguous(), a.double() @ w.double().t()),
+                          (gq, w, gq.double() @ w.double())):
+        pa, pb = w8a8._cuda_operands(lhs, b)
+        assert pb.stride(0) == 1 and pa.shape[0] == max(m, 17) and pa.is_contiguous()
+        assert torch.equal((pa.double() @ pb.double())[:m], exact)
+        assert torch.equal(w8a8._int8_mm(lhs, b), exact.to(torch.int32))
+        assert torch.equal(safe_int_mm(lhs, b), exact.to(torch.int32))
+
+
+def test_the_quantization_compiled_as_on_cuda_gives_the_eager_numbers():
+    """On CUDA the passes around the matmul run through torch.compile (w8a8._fused); here Inductor's CPU backend
+    compiles the same functions. Scales: one fp32 division each way, equal. The int8 values: equal but where
+    x / scale lands within an fp32 rounding of a .5 boundary (a kernel may divide as a multiply by the
+    reciprocal): at most 1 apart."""
+    x, w, b = _inputs(6)
+    q, s = w8a8._compiled(w8a8._to_int8)(x)
+    qe, se = w8a8._to_int8(x)
+    assert torch.allclose(s, se, rtol=2 * F32_EPS, atol=0) and (q.int() - qe.int()).abs().max() <= 1
+    acc = torch.randint(-2 ** 20, 2 ** 20, (x.shape[0], w.shape[0]), dtype=torch.int32)
+    y = w8a8._compiled(w8a8._int8_out)(acc, s, w.abs().amax(1), b, torch.float32)
+    ye = w8a8._int8_out(acc, s, w.abs().amax(1), b, torch.float32)
+    # two fp32 products and a sum, in any order: a few units of fp32 rounding of the result's magnitude
+    assert torch.allclose(y, ye, rtol=4 * F32_EPS, atol=4 * F32_EPS * ye.abs().max().item())
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_the_autograd_function_takes_the_kernels_only_when_asked_and_only_where_shapes_fit(kind):
     x, w, b = _inputs(5)
@@ -138,3 +174,24 @@ def test_a_run_trains_through_the_kernels_and_the_report_names_them(tmp_path, qu
         w8a8.linear = real
     assert calls and out["losses"] and all(torch.isfinite(torch.tensor([r["loss"] for r in out["losses"]])))
     assert "w8a8" in out["runtime"]["matmul"]  # report.json's runtime.matmul
+
+
+def test_auto_keeps_the_fallback_where_a_gpu_has_the_kernels(tmp_path, monkeypatch):
+    """auto is the path measured faster on an H200 (bench/gpu_speed_fallback.json): the fallback for fp8 / int8
+    bases even where the kernels run; w8a8 when asked."""
+    monkeypatch.setattr(w8a8, "cuda_available", lambda: True)
+    monkeypatch.setattr(w8a8, "available", lambda kind: True)
+    for q in ("int8", "fp8"):
+        assert w8a8.resolve(_cfg(tmp_path, f"model.quantize={q}").model) == "dequantize"
+        assert w8a8.resolve(_cfg(tmp_path, f"model.quantize={q}", "model.matmul=w8a8").model) == "w8a8"
+
+
+def test_fp8_w8a8_on_a_gpu_without_the_fp8_kernel_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    import tasks.config_checks as checks
+
+    monkeypatch.setattr(checks, "cuda_available", lambda: True)
+    monkeypatch.setattr(w8a8, "available", lambda kind: kind == "int8")  # an Ampere card: int8 yes, fp8 no
+    errors = config_errors(_cfg(tmp_path, "model.quantize=fp8", "model.matmul=w8a8"))
+    assert any("model.matmul=w8a8" in e and "8.9" in e and "model.matmul=dequantize" in e for e in errors)
+    assert not any("model.matmul" in e for e in config_errors(_cfg(tmp_path, "model.quantize=int8",
+                                                                   "model.matmul=w8a8")))
