@@ -43,12 +43,15 @@ SETTINGS = {
     "nf4": ({"quantize": "nf4", "matmul": "dequantize"}, {}),
     "nf4+bnb": ({"quantize": "nf4", "matmul": "bnb"}, {}),
     "int8+w8a8+swap10": ({"quantize": "int8", "matmul": "w8a8"}, {"blocks_to_swap": 10}),
+    "int8+swap10": ({"quantize": "int8", "matmul": "dequantize"}, {"blocks_to_swap": 10}),
     "bf16+compile": ({}, {"compile": True}),
     "int8+w8a8+compile": ({"quantize": "int8", "matmul": "w8a8"}, {"compile": True}),
+    "int8+compile": ({"quantize": "int8", "matmul": "dequantize"}, {"compile": True}),
 }
 # (setting, reference, goal as "<= x" of setting/reference step) for the figures
 GOALS = (("fp8", "bf16", 1.0), ("fp8+w8a8", "bf16", 1.0), ("int8", "bf16", 1.1), ("int8+w8a8", "bf16", 1.1),
-         ("nf4+bnb", "bf16", 1.25), ("int8+w8a8+swap10", "int8+w8a8", 1.1), ("bf16+compile", "bf16", 1 / 1.2))
+         ("nf4+bnb", "bf16", 1.25), ("int8+w8a8+swap10", "int8+w8a8", 1.1), ("int8+swap10", "int8", 1.1),
+         ("bf16+compile", "bf16", 1 / 1.2))
 
 
 def build(arch: dict, device, name: str, rank: int):
