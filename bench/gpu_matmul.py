@@ -2,7 +2,7 @@
 per-token quantization around it, forward (x @ W^T) and input gradient (g @ W), against bf16. Issue 45.
 
     python -m bench.gpu_matmul            # a CUDA GPU (bench/gpu_matmul.json)
-    python -m bench.gpu_matmul --tiny     # smoke test on any machine (small shapes; CUDA-only kernels recorded as errors)
+    python -m bench.gpu_matmul --tiny     # smoke test on any machine (small shapes; a kernel it lacks: an error row)
 
 Each row is the median of CUDA-event (or wall, on the CPU) times over --iters calls after --warmup. `int8 mm` rows
 time torch._int_mm alone on already-quantized operands, in the layout named: `W^T view` is the stored [N, K]

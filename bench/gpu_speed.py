@@ -209,7 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--text-len", type=int, default=None, help="T5 tokens (default 512; --tiny 16)")
     ap.add_argument("--out", default=None, help="default bench/gpu_speed.json (--tiny: bench/gpu_speed_tiny.json)")
     ap.add_argument("--merge", default=None, help="a bench.gpu results file whose `figures` gain these")
-    ap.add_argument("--budget", type=float, default=None, help="seconds: start no setting after this (bf16's re-run still)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: start no setting after this (bf16's re-run still)")
     args = ap.parse_args(argv)
     arch = TINY if args.tiny else FLUX_DEV
     args.steps = args.steps or (1 if args.tiny else 4)

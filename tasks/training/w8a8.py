@@ -3,8 +3,9 @@ the fly, instead of upcasting the weight to the compute dtype first (the fallbac
 
 - int8 base (torchao's Int8Tensor, one scale per output row): each token of the input is quantized to int8 with
   its own scale (symmetric, absmax / 127) and multiplied by `torch._int_mm` (cuBLASLt's int8 matmul on CUDA,
-  the weight column-major as its fast kernels want; on the CPU torchao's safe_int_mm, an exact int32 matmul); the int32 result is scaled by the token's and the row's scales. The
-  input gradient the same way: grad_out x the row scales, quantized per token, times the int8 weight.
+  the weight column-major as its fast kernels want; on the CPU torchao's safe_int_mm, an exact int32 matmul);
+  the int32 result is scaled by the token's and the row's scales. The input gradient the same way: grad_out x
+  the row scales, quantized per token, times the int8 weight.
 - fp8 base (model.quantize=fp8: the weight cast to float8_e4m3fn, no scale, sd-scripts' --fp8_base numbers):
   each token quantized to float8_e4m3fn (absmax / 448) and multiplied by `torch._scaled_mm` (cuBLASLt's fp8
   matmul, row-wise scales); the input gradient per token in float8_e5m2 (gradients' range) against the weight.
@@ -13,9 +14,10 @@ The weight's numbers are the stored ones either way; what changes is the activat
 int8 / fp8 step per token, an error of about 1/254 (int8) or 2^-4 (e4m3) of the token's largest value, against
 the fallback's bf16 rounding. OneTrainer trains its frozen base this way (LinearW8A8: torch._int_mm forward, an
 int8 matmul for the input gradient; torch._scaled_mm for fp8); so does torchao's Float8DynamicActivation
-Float8Weight inference config in SimpleTuner. It is opt-in: `auto` takes the fallback, measured faster on an H200 (resolve()); fp8 needs
-compute capability 8.9+ (refused by validate elsewhere); report.json's runtime.matmul names which ran. Shapes the
-kernels refuse (a side not a multiple of 16) run the fallback, layer by layer.
+Float8Weight inference config in SimpleTuner. It is opt-in: `auto` takes the fallback, measured faster on an
+H200 (resolve()); fp8 needs compute capability 8.9+ (refused by validate elsewhere); report.json's
+runtime.matmul names which ran. Shapes the kernels refuse (a side not a multiple of 16) run the fallback, layer
+by layer.
 
 The weights stay as stored: nothing here is saved for backward but the stored weight (fp8_base's Function).
 
