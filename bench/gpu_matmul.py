@@ -48,7 +48,7 @@ def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def cases(M: int, K: int, N: int, device):
+def cases(M: int, K: int, N: int, device, compiled: bool = True):
     """name -> a zero-argument callable doing one multiply at [M, K] x [K, N] (or its input gradient)."""
     import torch
 
@@ -70,6 +70,18 @@ def cases(M: int, K: int, N: int, device):
     sx = torch.ones(M, 1, device=device)
     ones_n = torch.ones(1, N, device=device)
     yield "bf16 forward", lambda: torch.nn.functional.linear(x, w)
+    # the fallback (model.matmul=dequantize, auto's path for fp8 / int8): the weight upcast, then bf16's matmul;
+    # the cast's own rate in GB/s (bytes read + written), as the fallback runs it three times a checkpointed step
+    from torchao.quantization import Int8Tensor, PerRow
+
+    from tasks.training.fp8_base import upcast
+
+    i8t = Int8Tensor.from_hp(w, PerRow())
+    yield "fp8 weight upcast to bf16 (GB/s)", lambda: upcast(w8, torch.bfloat16), 3 * N * K
+    yield "int8 weight dequantize to bf16 (GB/s)", lambda: upcast(i8t, torch.bfloat16), 3 * N * K
+    yield "fallback fp8 forward (upcast + bf16)", lambda: torch.nn.functional.linear(x, upcast(w8, torch.bfloat16))
+    yield ("fallback int8 forward (dequantize + bf16)",
+           lambda: torch.nn.functional.linear(x, upcast(i8t, torch.bfloat16)))
     yield "bf16 grad_input", lambda: go @ w
     yield "int8 mm forward, W^T view", lambda: torch._int_mm(xq, qdata.t())
     yield "int8 mm forward, W^T contiguous", lambda: torch._int_mm(xq, qt)
@@ -85,6 +97,8 @@ def cases(M: int, K: int, N: int, device):
     yield "w8a8.int8_grad_input", lambda: w8a8.int8_grad_input(go, i8, torch.bfloat16)
     yield "w8a8.fp8_linear", lambda: w8a8.fp8_linear(x, w8, None)
     yield "w8a8.fp8_grad_input", lambda: w8a8.fp8_grad_input(go, w8, torch.bfloat16)
+    if not compiled:
+        return
     quant = torch.compile(lambda t: w8a8._per_token(t, 127.0))
     yield "per-token quantize only, eager", lambda: w8a8._per_token(x, 127.0)
     yield "per-token quantize only, compiled", lambda: quant(x)
@@ -101,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4608)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--eager", action="store_true", help="leave out the compiled rows (no Inductor compile)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -109,17 +124,21 @@ def main(argv=None) -> int:
     out = Path(args.out or HERE / ("gpu_matmul_tiny.json" if args.tiny else "gpu_matmul.json"))
     for label, K, N in shapes:
         flops = 2 * M * K * N
-        for name, fn in cases(M, K, N, device):
+        for name, fn, *moved in cases(M, K, N, device, not args.eager):
             row = {"shape": label, "M": M, "K": K, "N": N, "case": name}
             try:
                 row["s"] = timed(fn, args.iters, args.warmup, cuda)
-                row["tflops"] = flops / row["s"] / 1e12
+                if moved:  # a cast: its memory rate instead
+                    row["gbps"] = moved[0] / row["s"] / 1e9
+                else:
+                    row["tflops"] = flops / row["s"] / 1e12
             except Exception as e:  # a kernel this machine lacks: recorded, the next case runs
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 row["traceback"] = traceback.format_exc()[-1500:]
             rows.append(row)
-            print(f"{label:>24} | {name:<48} | " + (f"{row['s'] * 1e3:8.3f} ms {row['tflops']:7.1f} TFLOP/s"
-                                                    if "s" in row else row["error"][:80]), flush=True)
+            rate = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"{row.get('gbps', 0):7.0f} GB/s"
+            print(f"{label:>24} | {name:<48} | " + (f"{row['s'] * 1e3:8.3f} ms {rate}" if "s" in row
+                                                    else row["error"][:80]), flush=True)
         result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows,
                   "seconds": round(time.time() - t0, 1)}
