@@ -18,7 +18,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 # (name, K in, N out): the Linears of FLUX.1-dev's blocks; M = 4096 image + 512 text tokens (single blocks)
@@ -52,15 +51,18 @@ def cases(M: int, K: int, N: int, device, compiled: bool = True):
     """name -> a zero-argument callable doing one multiply at [M, K] x [K, N] (or its input gradient)."""
     import torch
 
+    from torchao.kernel.intmm import safe_int_mm
+    from torchao.quantization import Int8Tensor, PerRow
+
     from tasks.training import w8a8
+    from tasks.training.fp8_base import upcast
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(M, K, device=device, generator=g).bfloat16()
     go = torch.randn(M, N, device=device, generator=g).bfloat16() * 1e-3
     w = (torch.randn(N, K, device=device, generator=g) / K ** 0.5).bfloat16()
-    scale = w.float().abs().amax(dim=1) / 127
-    qdata = (w.float() / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
-    i8 = SimpleNamespace(qdata=qdata, scale=scale.bfloat16(), shape=w.shape)
+    i8 = Int8Tensor.from_hp(w, PerRow())  # model.quantize=int8's weight
+    qdata = i8.qdata
     w8 = w.to(torch.float8_e4m3fn)
     xq = torch.randint(-127, 128, (M, K), device=device, dtype=torch.int8)
     gq = torch.randint(-127, 128, (M, N), device=device, dtype=torch.int8)
@@ -72,20 +74,15 @@ def cases(M: int, K: int, N: int, device, compiled: bool = True):
     yield "bf16 forward", lambda: torch.nn.functional.linear(x, w)
     # the fallback (model.matmul=dequantize, auto's path for fp8 / int8): the weight upcast, then bf16's matmul;
     # the cast's own rate in GB/s (bytes read + written), as the fallback runs it three times a checkpointed step
-    from torchao.quantization import Int8Tensor, PerRow
-
-    from tasks.training.fp8_base import upcast
-
-    i8t = Int8Tensor.from_hp(w, PerRow())
     yield "fp8 weight upcast to bf16 (GB/s)", lambda: upcast(w8, torch.bfloat16), 3 * N * K
-    yield "int8 weight dequantize to bf16 (GB/s)", lambda: upcast(i8t, torch.bfloat16), 3 * N * K
+    yield "int8 weight dequantize to bf16 (GB/s)", lambda: upcast(i8, torch.bfloat16), 3 * N * K
     yield "fallback fp8 forward (upcast + bf16)", lambda: torch.nn.functional.linear(x, upcast(w8, torch.bfloat16))
     yield ("fallback int8 forward (dequantize + bf16)",
-           lambda: torch.nn.functional.linear(x, upcast(i8t, torch.bfloat16)))
+           lambda: torch.nn.functional.linear(x, upcast(i8, torch.bfloat16)))
     yield "bf16 grad_input", lambda: go @ w
     yield "int8 mm forward, W^T view", lambda: torch._int_mm(xq, qdata.t())
     yield "int8 mm forward, W^T contiguous", lambda: torch._int_mm(xq, qt)
-    yield "int8 mm forward, safe_int_mm(W^T view)", lambda: w8a8._int8_mm(xq, qdata.t())
+    yield "int8 mm forward, safe_int_mm(W^T view)", lambda: safe_int_mm(xq, qdata.t())
     yield "int8 mm grad_input, W row-major", lambda: torch._int_mm(gq, qdata)
     yield "int8 mm grad_input, W column-major", lambda: torch._int_mm(gq, qcol)
     yield "int8 mm grad_input, W transposed copy each call", lambda: torch._int_mm(gq, qdata.t().contiguous().t())
