@@ -79,8 +79,8 @@ def matmul_path(stored: str | None, compute_dtype: str, mode: str = "dequantize"
         return (f"nf4: bnb-nf4, bitsandbytes' NF4 through bnb.matmul_4bit in {compute_dtype}; input gradient "
                 "through its dequantize_4bit")
     if mode == "w8a8" and stored == "int8":
-        return ("int8: w8a8, per-token int8 activations x int8 weight (torch._int_mm, the weight column-major), "
-                "forward and input gradient")
+        return ("int8: w8a8, per-token int8 activations x int8 weight (torch._int_mm, the weight column-major, on "
+                "CUDA; torchao's exact safe_int_mm on the CPU), forward and input gradient")
     if mode == "w8a8":
         return (f"{stored}: w8a8, per-token float8_e4m3fn activations x fp8 weight (torch._scaled_mm); input "
                 "gradient per token in float8_e5m2")
