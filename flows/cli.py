@@ -11,11 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
-from flows import auth, console, prefect_api, sweep
+from flows import auth, console, engine_tweaks, prefect_api, sweep
 from flows.errors import USER_ERRORS
 from flows.train import train_flow
 from tasks import validate
-from tasks.config import ConfigError, compose, resolve_paths
+from tasks.config import ConfigError, compose, held_hydra_mode, resolve_paths
 from tasks.store import StoreFull
 from tasks.training import interrupt
 
@@ -23,9 +23,10 @@ from tasks.training import interrupt
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def check_config_only(config_name: str, overrides: list[str]) -> None:
-    """The config checks that read no file and load no model; ConfigError naming every bad key."""
-    errors = validate.config_errors(resolve_paths(compose(config_name, overrides)[0]))
+def check_config_only(config_name: str, overrides: list[str], hold: bool = False) -> None:
+    """The config checks that read no file and load no model; ConfigError naming every bad key. `hold`:
+    the flow run that follows takes this config instead of composing it again (tasks/config.py)."""
+    errors = validate.config_errors(resolve_paths(compose(config_name, overrides, hold=hold)[0]))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
@@ -43,10 +44,27 @@ def _stop_on_bad_config() -> None:
             args.config_dir, args.experimental_rerun, args.package, args.resolve)):
         return
     try:
-        check_config_only(args.config_name or "train", args.overrides)
+        check_config_only(args.config_name or "train", args.overrides, hold=True)
     except ConfigError as e:
         print(f"loraflow: stopped before training: {e}", file=sys.stderr)
         sys.exit(2)
+    _tell_hydra_the_mode()
+
+
+def _tell_hydra_the_mode() -> None:
+    """Hydra's main composes the config twice: once only to read `hydra.mode` (a run or a sweep), once to run
+    it. The check above composed the same config with the same overrides and kept its mode: Hydra is given it
+    instead of composing again (60-80 ms of a no-op's start-up, bench/RESULTS.md figure 6). Other calls (a
+    sweep's members, another config) are Hydra's as before."""
+    from hydra._internal.hydra import Hydra
+
+    composed = Hydra.get_mode
+
+    def get_mode(self, config_name, overrides):
+        known, mode = held_hydra_mode(config_name or "train", list(overrides))
+        return mode if known else composed(self, config_name, overrides)
+
+    Hydra.get_mode = get_mode
 
 
 def _stop_unless_launcher_ready(overrides: list[str]) -> None:
@@ -81,6 +99,7 @@ def main() -> None:
     auth.stop_on_auth_failure()  # a server that wants PREFECT_API_AUTH_STRING: one line, before any work
     console.install_signal_handlers()
     console.shield_temporary_server()
+    engine_tweaks.stop_joining_heartbeats()  # a flow run ends when its work does, not at the heartbeat's next second
 
     @hydra.main(config_path=CONF, config_name="train", version_base="1.3")
     def main(cfg) -> float | dict | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import time
 
 if __name__ == "__main__":  # the CLI: no collections during start-up's imports (frozen below)
@@ -18,6 +17,7 @@ if __name__ == "__main__":  # the CLI: no collections during start-up's imports 
 
 from prefect import flow
 
+from flows import engine_tweaks
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
@@ -130,11 +130,15 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
     return {"report": str(path), "run_dir": str(run_dir), "flow_run_id": str(flow_run.id)}
 
 
-if __name__ == "__main__":  # python -m flows.train: the Hydra CLI (flows/cli.py)
+engine_tweaks.send_plain_parameters(train_flow)  # a config name and override strings, sent as they are
+
+
+if __name__ == "__main__":  # python -m flows.train: the Hydra CLI (flows/cli.py), started as `loraflow` is
     from flows.cli import main
+    from flows.entry import run_and_exit
 
     # The ~140,000 objects of the imports (modules, classes, pydantic schemas) live until exit: frozen, no
     # later collection walks them, nor the one at exit (a no-op run: 0.4 s less on 2 cores, 2.7 -> 2.3 s)
     gc.freeze()
     gc.enable()
-    sys.exit(main())
+    run_and_exit(main)

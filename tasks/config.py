@@ -41,12 +41,49 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key and the fix."""
 
 
-def compose(config_name: str = "train", overrides: List[str] | None = None) -> tuple[DictConfig, Path]:
-    """Compose like the CLI does (for deployments, which bypass Hydra's CLI). Returns (cfg, run_dir)."""
+# The CLI composes a run's config before Hydra starts (its pre-flight check, flows/cli.py) and the flow
+# composes it again from its parameters; the flow takes the pre-flight's config once instead (0.1 s of a
+# no-op's start-up, bench/RESULTS.md figure 6). Keyed by the config name and the overrides that are not
+# Hydra's own (hydra.*, hydra/...): those shape the run folder and the launcher, never the job's config.
+_held: dict[tuple, DictConfig] = {}
+_held_modes: dict[tuple, object] = {}  # (config name, every override) -> its hydra.mode, for Hydra's main
+
+
+def held_hydra_mode(config_name: str, overrides: List[str]) -> tuple[bool, object]:
+    """(True, hydra.mode) of a config composed with `hold` (None unless a config or override sets it), once;
+    (False, None) where none was."""
+    key = (config_name, tuple(overrides))
+    return (key in _held_modes), _held_modes.pop(key, None)
+
+
+def _job_key(config_name: str, overrides: List[str]) -> tuple:
+    return config_name, tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def _literal_run_dir(overrides: List[str]) -> Path | None:
+    """The run folder a `hydra.run.dir=PATH` override names, where it is a plain value (the CLI's flow run
+    passes Hydra's output folder so); None where it is absent or interpolated."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    named = [o for o in overrides if o.startswith("hydra.run.dir=")]
+    if not named:
+        return None
+    value = OverridesParser.create().parse_override(named[-1]).value()
+    return Path(value) if isinstance(value, str) and "${" not in value else None
+
+
+def compose(config_name: str = "train", overrides: List[str] | None = None,
+            hold: bool = False) -> tuple[DictConfig, Path]:
+    """Compose like the CLI does (for deployments, which bypass Hydra's CLI). Returns (cfg, run_dir).
+    `hold`: keep the config for the next compose of the same job (the flow run the CLI starts next), which
+    takes it once, with the run folder its `hydra.run.dir=` names."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     overrides = list(overrides or [])
+    held = _held.pop(_job_key(config_name, overrides), None)
+    if held is not None and not hold and (run_dir := _literal_run_dir(overrides)) is not None:
+        return held, run_dir
     check_known_keys(overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -64,8 +101,12 @@ def compose(config_name: str = "train", overrides: List[str] | None = None) -> t
         run_dir = Path(str(cfg.hydra.run.dir))
     except OmegaConfBaseException as e:  # hydra.run.dir=${nope}
         raise _config_error(e) from e
+    mode = cfg.hydra.mode
     with _unlocked(cfg):
         del cfg["hydra"]
+    if hold:
+        _held[_job_key(config_name, overrides)] = copy.deepcopy(cfg)
+        _held_modes[(config_name, tuple(overrides))] = mode
     return cfg, run_dir
 
 
