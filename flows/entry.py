@@ -24,8 +24,9 @@ def main() -> None:
 
 
 def run_and_exit(cli_main: Callable[[], object]) -> NoReturn:
-    """Run the CLI and end the process with its status. An exception other than SystemExit, or an exit with a
-    message, leaves the usual way (Python prints it, status 1)."""
+    """Run the CLI and end the process with its status. An exception other than SystemExit, an exit with a
+    message (Python prints it, status 1), or a run under a profiler or tracer (`python -m cProfile`, which
+    writes its file after the program) leaves the usual way."""
     import atexit
     import threading
 
@@ -36,6 +37,8 @@ def run_and_exit(cli_main: Callable[[], object]) -> NoReturn:
         if e.code is not None and not isinstance(e.code, int):
             raise
         status = e.code or 0
+    if sys.getprofile() is not None or sys.gettrace() is not None:  # cProfile, a debugger: they write at exit
+        sys.exit(status)
     threading._shutdown()  # what Python's exit does first: thread pools' exit hooks, non-daemon threads joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -103,6 +103,17 @@ def test_the_cli_exits_with_its_status_after_threads_and_exit_handlers(tmp_path)
             f.unlink()
 
 
+def test_a_profiled_cli_leaves_as_python_does_so_the_profile_is_written(tmp_path):
+    script = tmp_path / "cli.py"
+    script.write_text(_CLI.format(ending="sys.exit(3)"))
+    out = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.prof"), str(script),
+                          str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    # cProfile's own runner swallows the program's SystemExit: status 0 from `python -m cProfile`
+    assert out.returncode == 0 and (tmp_path / "p.prof").stat().st_size > 0, out.stderr[-2000:]
+    assert (tmp_path / "out.atexit").read_text() == "handler"
+
+
 def test_an_error_or_a_message_leaves_as_python_does(tmp_path):
     out = _exit_of(tmp_path, "raise ValueError('bad')")
     assert out.returncode == 1 and "ValueError: bad" in out.stderr and "Traceback" in out.stderr
