@@ -1,12 +1,13 @@
 """What the CLI's start-up and exit skip (issue 46, item 5; bench/RESULTS.md figure 6), and that each skip keeps
 what it stands in for: the flow composes the config the pre-flight check composed, Hydra reads the mode that
 check found, the process exits with the CLI's status after every exit handler ran, the flow's parameters reach
-the API unchanged, and the heartbeat thread is told to stop without being waited for."""
+the API unchanged, and the heartbeat thread is told to stop without being waited for, and beats no more after the run ends."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -132,9 +133,11 @@ def test_a_flow_run_with_the_tweaks_keeps_its_parameters_and_completes(prefect_a
     from flows import engine_tweaks
 
     monkeypatch.setattr(flow_engine, "_send_heartbeats", flow_engine._send_heartbeats)  # restored after
-    assert engine_tweaks.stop_joining_heartbeats() and engine_tweaks.stop_joining_heartbeats()
-    assert flow_engine._send_heartbeats.keywords == {"join_on_exit": False}
-    assert not hasattr(flow_engine._send_heartbeats.func, "keywords")  # applied once, not nested
+    original = flow_engine._send_heartbeats
+    assert engine_tweaks.stop_joining_heartbeats()
+    tweaked = flow_engine._send_heartbeats
+    assert tweaked is not original and engine_tweaks.stop_joining_heartbeats()
+    assert flow_engine._send_heartbeats is tweaked  # applied once, not nested
 
     @flow(name="loraflow-tweaks-check", persist_result=False)
     def check(config_name: str = "train", overrides: list[str] | None = None, where: Path | None = None) -> str:
@@ -151,6 +154,51 @@ def test_a_flow_run_with_the_tweaks_keeps_its_parameters_and_completes(prefect_a
         run = client.read_flow_run(run_id)
     assert run.state.is_completed()
     assert run.parameters == {"config_name": "train", "overrides": ["train.lr=0.1"], "where": None}
+
+
+class _Engine:
+    """What Prefect's `_send_heartbeats` uses of a flow run engine; its beat can be held in flight."""
+    heartbeat_seconds = 30  # Prefect's minimum: the thread beats once at its start, then sleeps
+    flow_run = None
+
+    def __init__(self):
+        import logging
+
+        self.logger, self.events = logging.getLogger("loraflow.test"), []
+        self.in_flight, self.release = threading.Event(), threading.Event()
+
+    def _build_heartbeat_event_template(self):
+        return {}, []
+
+    def _emit_flow_run_heartbeat(self, resource, related):
+        self.events.append("beat")
+        self.in_flight.set()
+        assert self.release.wait(30)
+        self.events.append("beat sent")
+
+
+def test_no_heartbeat_reaches_prefect_after_the_run_ends(monkeypatch):
+    """The race seen in a busy suite run (11-27): a beat that passed the thread's stop check as the run ended
+    reached Prefect's events service after it was stopped (an error and a traceback in the CLI's output)."""
+    from prefect import flow_engine
+
+    from flows import engine_tweaks
+
+    monkeypatch.setattr(flow_engine, "_send_heartbeats", flow_engine._send_heartbeats)  # restored after
+    assert engine_tweaks.stop_joining_heartbeats()
+    engine = _Engine()
+    with flow_engine._send_heartbeats(engine):
+        assert engine.in_flight.wait(30)  # the thread's first beat, held in flight as the run ends
+        threading.Timer(0.2, engine.release.set).start()
+    engine.events.append("run ended")
+    assert engine.events == ["beat", "beat sent", "run ended"]  # the end waited for the beat in flight
+    engine._emit_flow_run_heartbeat({}, [])  # a beat after the end (the thread past its stop check) is dropped
+    assert engine.events == ["beat", "beat sent", "run ended"]
+
+    engine.in_flight.clear()  # a retry enters the run context again on the same engine: it beats again
+    with flow_engine._send_heartbeats(engine):
+        assert engine.in_flight.wait(30)
+    assert engine.events[3:] == ["beat", "beat sent"]
 
 
 def test_the_training_flow_sends_its_parameters_as_they_are():
