@@ -360,5 +360,8 @@ def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dic
 
 
 if __name__ == "__main__":  # one process of `accelerate launch` (train.num_processes; tasks/training/distributed.py)
+    from tasks.lazy import settle
     from tasks.training.distributed import run_worker
+
+    settle("diffusers")  # it trains: the model libraries imported with the collector paused (tasks/lazy.py)
     run_worker(sys.argv[1], train_lora)

@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker its own test API and ho
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", os.path.join(_PREFECT_HOME, "storage"))
 import flows  # noqa: E402,F401  (its Prefect defaults: no start-up telemetry, longer SQLite timeout)
+from tasks.lazy import settle  # noqa: E402
+
+settle("diffusers")  # torch and the model libraries imported as a run imports them: the collector paused, then frozen
 
 import pytest  # noqa: E402
 

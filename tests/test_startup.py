@@ -88,6 +88,24 @@ def test_lazy_module_and_class_resolve_on_first_use():
     assert Holder.cls is PurePosixPath and Holder().cls is PurePosixPath
 
 
+def test_the_first_heavy_use_imports_its_cores_settled():
+    """tasks/lazy.py `settle`: a proxy's first use imports its library's cores with the collector paused, then
+    frozen (torch alone for torch; torch, diffusers' model core and peft for the model libraries); the collector
+    is left as it was, and a light module settles nothing."""
+    cores = ("torch", "diffusers.models.modeling_utils", "peft")
+    # the interpreter's start-up leaves no frozen objects: any here are the settle's
+    assert _state_after("import gc, tasks.lazy", names=cores) == {"modules": [], "gc": [True, 0]}
+    torch_only = _state_after("from tasks.lazy import lazy\nlazy('torch').zeros(1)", names=cores)
+    assert torch_only["modules"] == ["torch"] and torch_only["gc"][0] and torch_only["gc"][1] > 100_000
+    models = _state_after("from tasks.lazy import LazyClass\n"
+                          "class A:\n    cls = LazyClass('diffusers', 'UNet2DConditionModel')\nA.cls", names=cores)
+    assert models["modules"] == list(cores) and models["gc"][0] and models["gc"][1] > torch_only["gc"][1]
+    off = _state_after("import gc\ngc.disable()\nfrom tasks.lazy import settle\nsettle('torch')", names=cores)
+    assert off["modules"] == ["torch"] and off["gc"][0] is False  # a paused collector stays paused
+    light = _state_after("from tasks.lazy import lazy, settle\nsettle('json')\nlazy('json').dumps(1)", names=cores)
+    assert light == {"modules": [], "gc": [True, 0]}
+
+
 def test_a_noop_run_through_the_cli_imports_no_model_library(workspace):
     """The CLI exactly as a user runs it (Hydra, the flow on a running Prefect API), after a run that computed
     everything: every node is answered from keys and stat calls, torch and numpy are never imported, and the

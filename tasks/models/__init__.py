@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.config import ConfigError
 from tasks.config_schema import ModelConfig
+from tasks.lazy import settle
 from tasks.store.hashing import digest_tree, key_of
 from tasks.models.bases.adapter import FamilyAdapter
 from tasks.store import Store
@@ -62,6 +63,7 @@ def make_adapter(model_cfg: ModelConfig, model_dir: Path) -> FamilyAdapter:
 
 
 def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
+    settle("diffusers")  # the model libraries, imported once with the collector paused (tasks/lazy.py)
     _load(FAMILIES[family][1])(out_dir, seed=seed, arch=arch or None)
 
 
