@@ -5,8 +5,10 @@ that cannot be had gets one line and exit 3 (flows/prefect_api.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,34 @@ def test_an_api_that_goes_away_mid_run_is_one_line_and_the_same_command_continue
     whole = run_cli([*ARGS, "train.max_steps=300", "train.log_every=1", f"store.root={tmp_path / 'w'}",
                      f"hydra.run.dir={tmp_path / 'rw'}"], tmp_path, tmp_path, own_api=True)
     assert whole.returncode == 0 and _lora(tmp_path / "r2") == _lora(tmp_path / "rw")
+
+
+def test_the_temporary_server_starts_settled_and_answers(tmp_path):
+    """flows/console.py: Prefect's `python -m uvicorn ...` becomes the same uvicorn main with the collector paused
+    over its imports; the server it starts answers and stops (the CLI runs above use it end to end)."""
+    import httpx
+
+    from flows.console import _SETTLED_UVICORN, settled_uvicorn
+    from prefect_server import free_port
+
+    assert settled_uvicorn(["py", "-m", "other", "x"]) == ["py", "-m", "other", "x"]
+    assert settled_uvicorn("py -m uvicorn") == "py -m uvicorn"  # a shell string: left as it is
+    args = settled_uvicorn([sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+                            "--host", "127.0.0.1", "--port", str(port := free_port()), "--log-level", "error"])
+    assert args[:3] == [sys.executable, "-c", _SETTLED_UVICORN] and args[3:5] == ["--factory", "prefect.server.api.server:create_app"]
+    env = {**_env(tmp_path / "home"), "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_UI_ENABLED": "0"}
+    server = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert server.poll() is None, server.stdout.read()[-3000:]
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the settled server did not answer in 120 s")
+    finally:
+        server.terminate()
+        # uvicorn's graceful shutdown, then the signal raised again: what `python -m uvicorn` does (checked 11-27)
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
