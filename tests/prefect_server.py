@@ -29,6 +29,20 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))  # the venv's CLI, next to its python
+# The same CLI (the `prefect` script runs `prefect.cli:app`), with Python's cyclic garbage collector paused
+# while it imports, then frozen, as loraflow starts its own temporary server (flows/console.py): a server
+# is ready sooner and costs the suite less CPU. What runs is unchanged.
+SETTLED_PREFECT = """import gc, sys
+gc.disable()
+import prefect.cli
+if sys.argv[1:3] == ["server", "start"]:
+    import prefect.server.api.server, uvicorn
+gc.freeze()
+gc.enable()
+sys.argv[0] = "prefect"
+sys.exit(prefect.cli.app())
+"""
+PREFECT_CLI = [sys.executable, "-c", SETTLED_PREFECT]
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -124,7 +138,8 @@ class Process:
 
     def tail(self, chars: int = 6000) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return f"----- {self.name} ({' '.join(self.cmd[1:4])} ...), log {self.log} -----\n{text[-chars:]}"
+        args = self.cmd[3:6] if self.cmd[1:2] == ["-c"] else self.cmd[1:4]  # after `python -c CODE`
+        return f"----- {self.name} ({' '.join(args)} ...), log {self.log} -----\n{text[-chars:]}"
 
 
 class PrefectServer:
@@ -136,7 +151,7 @@ class PrefectServer:
 
     # --- processes -------------------------------------------------------------------------------------
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Process:
-        proc = Process(name, [PREFECT, *args], env or self.env, self.root / f"{name}.log")
+        proc = Process(name, [*PREFECT_CLI, *args], env or self.env, self.root / f"{name}.log")
         self.processes.append(proc)
         return proc
 
@@ -157,7 +172,7 @@ class PrefectServer:
     # --- CLI and API -----------------------------------------------------------------------------------
     def cli(self, *args: str, timeout: float = 180, check: bool = True, cwd: Path = REPO) -> str:
         """Runs `prefect --no-prompt ARGS` as a client of this server; returns stdout+stderr."""
-        done = subprocess.run([PREFECT, "--no-prompt", *args], env=self.env, cwd=cwd, capture_output=True,
+        done = subprocess.run([*PREFECT_CLI, "--no-prompt", *args], env=self.env, cwd=cwd, capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         out = done.stdout + done.stderr
         if check and done.returncode != 0:
