@@ -13,13 +13,14 @@ sys.modules, so other libraries see the real module or none. Annotations stay st
 (a decorator, a class attribute) must not read the proxy; tests/test_startup.py checks that a no-op run
 never imports these libraries.
 
-The first heavy import is *settled* (`settle`): torch and diffusers' model core (which brings transformers,
-accelerate and the quantization libraries) are imported with Python's cyclic garbage collector paused, and
-what is alive then is frozen (`gc.freeze`: left out of later collections). Importing them builds millions of
-objects, and every full collection on the way walked all of those made so far: 2.9 s of the 6.9 s of CPU
-that importing them took on a 2-core machine (4.0 s settled; measured 11-27, docs/caching.md). Modules and
-classes are never garbage, so freezing them frees nothing later; later collections walk only what the run
-makes itself."""
+The first heavy import is *settled* (`settle`): torch (for torch alone), or torch, diffusers' model core (which
+brings transformers, accelerate and the quantization libraries) and peft, are imported with Python's cyclic
+garbage collector paused, and what is alive then is frozen (`gc.freeze`: left out of later collections).
+Importing them builds millions of objects, and every full collection on the way walked all of those made so
+far: 2.9 s of the 6.9 s of CPU that importing them took on a 2-core machine (4.0 s settled; measured 11-27,
+docs/caching.md). What is frozen is mostly modules and classes, alive until exit anyway; later collections
+walk only what the run makes itself. (In a long-lived process, such as a notebook, objects alive at that
+moment are frozen too: a reference cycle among them that becomes garbage later is not collected.)"""
 from __future__ import annotations
 
 import functools
