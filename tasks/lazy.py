@@ -27,6 +27,7 @@ import functools
 import gc
 import importlib
 import sys
+import threading
 from types import ModuleType
 
 HEAVY = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensors.torch")
@@ -35,6 +36,7 @@ HEAVY = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensor
 # peft, which every LoRA run imports (its own part is small once transformers is in)
 _CORES = {"torch": ("torch",), "safetensors": ("torch",)}
 _MODEL_CORES = ("torch", "diffusers.models.modeling_utils", "peft")
+_SETTLING = threading.RLock()
 
 
 def settle(name: str) -> None:
@@ -46,14 +48,17 @@ def settle(name: str) -> None:
     for core in _CORES.get(top, _MODEL_CORES):
         if core in sys.modules:
             continue
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
-            importlib.import_module(core)
-        finally:
-            gc.freeze()
-            if was_on:
-                gc.enable()
+        with _SETTLING:  # one thread at a time: another's pause must not be taken for the collector's state
+            if core in sys.modules:
+                continue
+            was_on = gc.isenabled()
+            gc.disable()
+            try:
+                importlib.import_module(core)
+            finally:
+                gc.freeze()
+                if was_on:
+                    gc.enable()
 
 
 def import_settled(name: str) -> ModuleType:

@@ -104,6 +104,11 @@ def test_the_first_heavy_use_imports_its_cores_settled():
     assert off["modules"] == ["torch"] and off["gc"][0] is False  # a paused collector stays paused
     light = _state_after("from tasks.lazy import lazy, settle\nsettle('json')\nlazy('json').dumps(1)", names=cores)
     assert light == {"modules": [], "gc": [True, 0]}
+    # two threads settling at once (a caching node's writer beside the main thread): the collector ends on
+    threads = _state_after("import threading\nfrom tasks.lazy import settle\n"
+                           "ts = [threading.Thread(target=settle, args=(n,)) for n in ('torch', 'peft', 'diffusers')]\n"
+                           "[t.start() for t in ts]\n[t.join() for t in ts]", names=cores)
+    assert threads["modules"] == list(cores) and threads["gc"][0] is True
 
 
 def test_a_noop_run_through_the_cli_imports_no_model_library(workspace):
