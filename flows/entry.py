@@ -8,18 +8,16 @@ interpreter's ~2,000 modules one object at a time (65 ms of a no-op run on 2 cor
 bench/RESULTS.md, figure 6."""
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from typing import Callable, NoReturn
 
 
 def main() -> None:
-    gc.disable()
-    from flows.cli import main as cli_main
+    from tasks.lazy import collector_paused
 
-    gc.freeze()
-    gc.enable()
+    with collector_paused():
+        from flows.cli import main as cli_main
     run_and_exit(cli_main)
 
 

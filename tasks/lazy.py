@@ -23,6 +23,7 @@ walk only what the run makes itself. (In a long-lived process, such as a noteboo
 moment are frozen too: a reference cycle among them that becomes garbage later is not collected.)"""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -37,13 +38,14 @@ HEAVY = ("torch", "diffusers", "transformers", "peft", "accelerate", "safetensor
 _CORES = {"torch": ("torch",), "safetensors": ("torch",)}
 _MODEL_CORES = ("torch", "diffusers.models.modeling_utils", "peft")
 _SETTLING = threading.RLock()
+_HEAVY_TOPS = {name.partition(".")[0] for name in HEAVY}
 
 
 def settle(name: str) -> None:
     """Import the cores that `name` (a module of a heavy library) stands on, each with the cyclic collector
     paused, then freeze what is alive; a no-op once they are imported, and for other modules."""
     top = name.partition(".")[0]
-    if top not in {"torch", "safetensors", "diffusers", "transformers", "peft", "accelerate"}:
+    if top not in _HEAVY_TOPS:
         return
     for core in _CORES.get(top, _MODEL_CORES):
         if core in sys.modules:
@@ -51,14 +53,22 @@ def settle(name: str) -> None:
         with _SETTLING:  # one thread at a time: another's pause must not be taken for the collector's state
             if core in sys.modules:
                 continue
-            was_on = gc.isenabled()
-            gc.disable()
-            try:
+            with collector_paused():
                 importlib.import_module(core)
-            finally:
-                gc.freeze()
-                if was_on:
-                    gc.enable()
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside; on leaving, what is alive is frozen (`gc.freeze`) and the
+    collector is as it was. For imports: what they make lives until exit."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_on:
+            gc.enable()
 
 
 def import_settled(name: str) -> ModuleType:
