@@ -55,22 +55,27 @@ def until_safe_point(fn, *args, **kwargs):
         return fn(*args, **kwargs)  # signals only reach the main thread: nothing to wait beside
     out: dict = {}
     context = contextvars.copy_context()
+    # An event of our own, not Thread.join: on CPython 3.11 a signal handler raising inside join() marks a running
+    # thread as stopped (threading's bpo-45274 clean-up releases the lock the live thread holds), so is_alive()
+    # says False and the run would exit before the step's checkpoint is stored. Event.wait has no such clean-up.
+    finished = threading.Event()
 
     def work() -> None:
         try:
             out["value"] = context.run(fn, *args, **kwargs)
         except BaseException as e:  # handed to the main thread as it is
             out["error"] = e
+        finally:
+            finished.set()
 
-    worker = threading.Thread(target=work, name="loraflow-until-safe-point", daemon=True)
-    worker.start()
+    threading.Thread(target=work, name="loraflow-until-safe-point", daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.2)
+        while not finished.wait(0.2):
+            pass
     except BaseException as e:
         request_stop(_signum_of(e))
-        while worker.is_alive():
-            worker.join(0.2)
+        while not finished.wait(0.2):
+            pass
         raise
     if "error" in out:
         raise out["error"]
