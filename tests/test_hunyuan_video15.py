@@ -146,6 +146,32 @@ def test_one_training_step(adapter, texts):
     assert grads and any(g.abs().sum() > 0 for g in grads)
 
 
+def test_training_without_the_pipelines_masked_image_tokens_predicts_what_the_pipeline_does(adapter, texts):
+    # text-to-video: the pipeline passes 729 zero image tokens, which the transformer masks out as keys; training
+    # passes none (adapter.condition). The video tokens' prediction is the same maths: equal to rounding
+    from tolerance import assert_close, sums
+
+    transformer = adapter.load_denoiser()
+    latents = torch.randn(2, 8, 3, 2, 2, generator=torch.Generator().manual_seed(4))
+    text = {k: torch.stack([texts[0][k], texts[1][k]]) for k in texts[0]}  # one with ByT5 glyph text
+    cond, image_embeds = adapter.condition(transformer, latents, text)
+    assert image_embeds.shape == (2, 0, transformer.config.image_embed_dim)
+    common = dict(hidden_states=torch.cat([latents, cond], dim=1), timestep=torch.tensor([500.0, 120.0]),
+                  encoder_hidden_states=text["prompt_embeds"], encoder_attention_mask=text["prompt_embeds_mask"],
+                  encoder_hidden_states_2=text["prompt_embeds_2"],
+                  encoder_attention_mask_2=text["prompt_embeds_mask_2"], return_dict=False)
+    with torch.no_grad():
+        trained = transformer(image_embeds=image_embeds, **common)[0]
+        piped = transformer(image_embeds=torch.zeros(2, 729, transformer.config.image_embed_dim), **common)[0]
+    assert_close(trained, piped, **sums(transformer), what="t2v prediction without the masked image tokens")
+    assert HunyuanVideo15Adapter.image_tokens == 0  # and the memory estimate counts what training feeds
+    from tasks.models.hunyuan_video15_i2v import HunyuanVideo15I2VAdapter
+
+    assert HunyuanVideo15I2VAdapter.image_tokens == 729  # image-to-video attends to the first frame's tokens
+    assert (HunyuanVideo15I2VAdapter.activation_geometry(transformer.config, (64, 64), L, 9)[0]
+            - HunyuanVideo15Adapter.activation_geometry(transformer.config, (64, 64), L, 9)[0]) == 729
+
+
 def test_sample_from_cached_text_is_the_pipelines_video(adapter, texts, model):
     pipe = adapter.load_sampler(None)
     assert pipe.text_encoder is None and pipe.text_encoder_2 is None
