@@ -1,8 +1,10 @@
 """The artifact store: atomic writes, verified reads, kill safety, concurrent writers, no pickles."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import threading
@@ -124,8 +126,12 @@ def test_records_round_trip(tmp_path):
     assert store.read_record("train") == {"inputs": {"a": 1}}
 
 
-def test_canonical_safetensors_header(tmp_path):
-    """safetensors writes metadata in hash order; canonicalizing gives the same bytes for the same content."""
+@pytest.mark.parametrize("text", ["ascii", "non-ascii"])
+def test_canonical_safetensors_header(tmp_path, text):
+    """safetensors writes metadata in hash order; canonicalizing gives the same bytes for the same content. The
+    sorted header is as long as safetensors' own (compact JSON): only it is written again, the file stays the same
+    file (its tensors neither read nor copied); a caption in another script makes it longer (Python escapes it):
+    then a new file, the same canonical bytes."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -133,14 +139,21 @@ def test_canonical_safetensors_header(tmp_path):
     from tasks.store.stored_files import canonicalize_safetensors
 
     tensors = {"b": torch.arange(5.0), "a": torch.ones(3, 2)}
-    meta = {f"k{i}": str(i) for i in range(20)}
+    meta = {f"k{i}": str(i) if text == "ascii" else f"caf\u00e9 {i} \u732b" for i in range(20)}
     files = []
     for i, order in enumerate((meta, dict(reversed(list(meta.items()))))):
         p = tmp_path / f"{i}.safetensors"
         save_file(tensors, str(p), metadata=order)
+        inode = p.stat().st_ino
         canonicalize_safetensors(p)
+        assert (p.stat().st_ino == inode) == (text == "ascii")
         files.append(p)
     assert files[0].read_bytes() == files[1].read_bytes()
+    (n,) = struct.unpack("<Q", files[0].read_bytes()[:8])
+    header = json.loads(files[0].read_bytes()[8:8 + n])
+    offsets = [header[k]["data_offsets"][0] for k in list(header)[1:]]
+    assert list(header)[0] == "__metadata__" and offsets == sorted(offsets) and set(header) == {"__metadata__", *tensors}
+    assert list(header["__metadata__"]) == sorted(meta)
     loaded = load_file(files[0])
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     with safe_open(str(files[0]), "pt") as f:
