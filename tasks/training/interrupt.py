@@ -58,9 +58,10 @@ def until_safe_point(fn, *args, **kwargs):
     # An event of our own, not Thread.join: on CPython 3.11 a signal handler raising inside join() marks a running
     # thread as stopped (threading's bpo-45274 clean-up releases the lock the live thread holds), so is_alive()
     # says False and the run would exit before the step's checkpoint is stored. Event.wait has no such clean-up.
-    finished = threading.Event()
+    began, finished = threading.Event(), threading.Event()
 
     def work() -> None:
+        began.set()
         try:
             out["value"] = context.run(fn, *args, **kwargs)
         except BaseException as e:  # handed to the main thread as it is
@@ -68,14 +69,17 @@ def until_safe_point(fn, *args, **kwargs):
         finally:
             finished.set()
 
-    threading.Thread(target=work, name="loraflow-until-safe-point", daemon=True).start()
+    worker = threading.Thread(target=work, name="loraflow-until-safe-point", daemon=True)
     try:
+        worker.start()  # inside: a signal can come while start() waits for the thread to be running
         while not finished.wait(0.2):
             pass
     except BaseException as e:
         request_stop(_signum_of(e))
-        while not finished.wait(0.2):
-            pass
+        # fn runs (or is about to) unless start() was stopped before it launched the thread: then there is no step
+        if worker.ident is not None or began.wait(1.0):
+            while not finished.wait(0.2):
+                pass
         raise
     if "error" in out:
         raise out["error"]
