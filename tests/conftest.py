@@ -131,6 +131,13 @@ def prefect_api():
         # as the harness does: code in a context copied before this one sees the server too
         with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
             yield
+            # as the harness does: the last log lines and events sent while the server still answers (it stops
+            # at the session's end; late ones printed "--- Error logging to API ---")
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=30)
+            EventsWorker.drain_all(timeout=30)
 
 
 class Workspace:
