@@ -146,7 +146,12 @@ class _QuietUserErrors(logging.Filter):
         if exc is not None and prefect_api.lost_mid_run(exc) or _api_unreachable_noise(record):
             return False  # the API went away: the CLI says so in one line (flows/prefect_api.py)
         text = record.getMessage()
+        if any(m in text for m in _STOPPED_LINES):  # the runs' "Finished in state Crashed(...)" on a Ctrl-C or
+            return False  # SIGTERM (Prefect's own handler's words for SIGTERM), no exception attached: the CLI's line says it
         return not any(s and s in text for s in self.seen)
+
+
+_STOPPED_LINES = ("Interrupted: interrupted by SIG", "Execution was aborted by a termination signal")
 
 
 def _api_unreachable_noise(record: logging.LogRecord) -> bool:

@@ -61,6 +61,7 @@ def test_signal_in_training_keeps_a_checkpoint_and_the_rerun_continues(tmp_path,
     assert rc == code, out[-3000:]
     assert "Traceback" not in out and "ConnectError" not in out, out[-3000:]
     assert "interrupted" in out and "checkpoint of train step" in out and "again to continue" in out
+    assert "Crashed" not in out  # Prefect's line repeating the interruption: the CLI's one line says it
     port = re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", out)
     if port:
         assert not _port_open(int(port.group(1)))  # loraflow stopped its temporary API server
