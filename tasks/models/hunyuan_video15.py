@@ -56,8 +56,7 @@ np, Image = lazy("numpy"), lazy("PIL.Image")  # decoding a video only; a no-op r
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
-_VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens (SigLIP's tokens; zeros for t2v)
-_T2V_IMAGE_TOKENS = 0  # what text-to-video training feeds instead (masked out either way: see the docstring)
+VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens (SigLIP's tokens; zeros for t2v)
 _BYT5_MAX = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 _TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 _WARNED: set[str] = set()
@@ -99,7 +98,9 @@ class HunyuanVideo15Adapter(TransformerAdapter):
                     r"|to_add_out)|.*transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)")
 
     # -- latents ---------------------------------------------------------------------------------
-    image_tokens = _T2V_IMAGE_TOKENS  # in training; image-to-video's adapter: the first frame's 729
+    # image tokens training feeds: none for text-to-video (the pipeline's VISION_TOKENS zeros are masked out either
+    # way: see the docstring); image-to-video's adapter: the first frame's
+    image_tokens = 0
 
     @classmethod
     def activation_geometry(cls, config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:
@@ -176,7 +177,7 @@ class HunyuanVideo15Adapter(TransformerAdapter):
         out; hunyuan_video15_i2v.py: the first frame's)."""
         b, _, f, h, w = noisy.shape
         return (torch.cat([torch.zeros_like(noisy), noisy.new_zeros(b, 1, f, h, w)], dim=1),
-                noisy.new_zeros(b, _T2V_IMAGE_TOKENS, transformer.config.image_embed_dim))
+                noisy.new_zeros(b, self.image_tokens, transformer.config.image_embed_dim))
 
     # -- the LoRA file ---------------------------------------------------------------------------
     def save_lora(self, lora_state_dict, out_dir, lora_config):

@@ -40,7 +40,7 @@ import json
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import BLOCK, Controls, KohyaLayout
 from tasks.models.flux import KOHYA_RULES as FLUX1_RULES
-from tasks.models.hunyuan_video15 import MUSUBI_RULES, HunyuanVideo15Adapter
+from tasks.models.hunyuan_video15 import MUSUBI_RULES, VISION_TOKENS, HunyuanVideo15Adapter
 
 torch = lazy("torch")
 
@@ -52,7 +52,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     kohya = KohyaLayout("networks.lora_hv_1_5", "hunyuan_video_1_5_i2v", rules=MUSUBI_RULES,
                         comfyui_rules=tuple(r for r in FLUX1_RULES if r[0].startswith(BLOCK)), lycoris_names="comfyui")
     controls = Controls(most=1, required=True, first_frame=True)
-    image_tokens = 729  # the first frame's SigLIP states, attended to (HunyuanVideo15ImageToVideoPipeline)
+    image_tokens = VISION_TOKENS  # the first frame's SigLIP states, attended to (HunyuanVideo15ImageToVideoPipeline)
     pipeline_cls = LazyClass("diffusers", "HunyuanVideo15ImageToVideoPipeline")
     # the first frame's SigLIP states are cached with the condition, and the sampler encodes its --i image with them
     latent_components = ("vae", "image_encoder", "feature_extractor")
