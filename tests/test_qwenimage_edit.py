@@ -46,6 +46,18 @@ def pairs(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def quarter_mp_controls(monkeypatch):
+    """Controls at 256x256 instead of the pipeline's ~1 MP (VAE_IMAGE_SIZE): 256 control tokens beside the
+    target's 4 instead of 4096, for the tests of what the size does not change (the edit matrix, the loss seeing
+    the control, the files loading). The adapter's control_size and the pipeline read the module constant when
+    they run, so it is the same chain; the 1 MP itself: test_controls_at_the_pipelines_size and
+    test_a_control_with_its_targets_bytes_is_its_own_latent."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
+
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 256 * 256)
+
+
 def _cfg(root, *extra, dirs=("ctrl",)):
     return resolve_paths(compose("train", [
         "model=tiny_qwenimage_edit", f"data.dir={root / 'data'}", f"store.root={root / 'store'}", "data.resolution=32",
@@ -79,12 +91,12 @@ def test_controls_at_the_pipelines_size():
     assert QwenImageEditAdapter.control_size(96, 64) == (1248, 832)
 
 
-def test_edit_matrix_rows_and_samples(pairs):
+def test_edit_matrix_rows_and_samples(pairs, quarter_mp_controls):
     store = Store(pairs / "store")
     cfg = lambda dirs=("ctrl",): _cfg(pairs, "model.max_sequence_length=448", dirs=dirs)  # noqa: E731 (2 controls: 420)
     plan, lat, txt, lora, smp = run_nodes(cfg(), store)
     control = store.get_tensors(cache_latents.KIND, lat["items"][controls.item_name("img_00.png", 0)])["latents"]
-    assert control.shape[-2:] == (128, 128)  # 1024 px / 8: the pipeline's control size, not the target's 32 px
+    assert control.shape[-2:] == (32, 32)  # 256 px / 8: the pipeline's control size (patched), not the target's 32 px
     assert "empty:prompt:1" in txt["items"]  # the true-CFG negative of a prompt with --i sees its images too
     edited = np.asarray(Image.open(smp["samples"][0]))
     assert edited.shape[1] == 2 * edited.shape[0]  # the control image beside the result
@@ -115,7 +127,7 @@ def test_a_control_with_its_targets_bytes_is_its_own_latent(pairs):
     assert target.shape[-2:] == (4, 4) and control.shape[-2:] == (128, 128) and lat["computed"] == 4
 
 
-def test_control_changes_the_loss(pairs):
+def test_control_changes_the_loss(pairs, quarter_mp_controls):
     store = Store(pairs / "store")
     cfg = _cfg(pairs)
     plan = validate.run(cfg, store)
@@ -152,7 +164,7 @@ def test_refusals(pairs):
         cache_text.run(cfg, validate.run(cfg, store), store)
 
 
-def test_lora_files_load_in_the_edit_pipeline(pairs):
+def test_lora_files_load_in_the_edit_pipeline(pairs, quarter_mp_controls):
     from diffusers import QwenImageEditPlusPipeline
 
     store = Store(pairs / "store")
