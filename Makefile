@@ -23,13 +23,14 @@ run: $(STAMP)
 # features): its numbers must hold on an AVX2-only CPU, the commonest in the cloud, not just on this one. The
 # tests marked `numerics` then run once more on this machine's own kernels (AVX-512/AMX where it has them) and
 # its default thread count. Three pytest workers, one test file each at a time: most of the suite's time is spent
-# waiting on subprocesses and Prefect servers; one OpenMP thread each, so that they do not oversubscribe the cores.
+# waiting on subprocesses and Prefect servers; one OpenMP thread each, so that they do not oversubscribe the cores;
+# the longest files first (tests/conftest.py LONGEST_FIRST), in that order (--no-loadscope-reorder).
 AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
 WORKERS ?= 3
 
 test: $(STAMP)
-	$(AVX2) OMP_NUM_THREADS=1 $(PYTEST) -n $(WORKERS) --dist loadfile --durations=30
+	$(AVX2) OMP_NUM_THREADS=1 $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 	$(PYTEST) -n 2 -m numerics --durations=10
 
 clean:

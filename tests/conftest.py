@@ -95,13 +95,18 @@ def pytest_sessionfinish(session, exitstatus):
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]
 
 
-# The longest files (measured, --durations), started first: `make test` hands whole files to 3 workers, and a
-# long file picked up last keeps one worker busy while the others are done (longest first: an even finish).
-LONGEST_FIRST = ["test_learns_mutations.py", "test_learns.py", "test_demo.py",
-                 "test_terminal.py", "test_multiprocess.py", "test_multinode.py", "test_parallel_sweep.py",
-                 "test_deploy.py", "test_cancel.py", "test_schedule.py", "test_prefect_launcher.py", "test_sweep.py",
-                 "test_fp8_base.py", "test_reliability_kill.py", "test_flux2_dev.py", "test_runner_dask.py",
-                 "test_optuna_sweep.py"]
+# The longest files first (each file's summed test time in one `make test`, 11-28), then the rest in their own
+# order: `make test` hands whole files to 3 workers, and a long file picked up last keeps one worker busy while the
+# others are done (longest first: an even finish). The Makefile passes --no-loadscope-reorder, or pytest-xdist
+# would reorder files by their number of tests instead.
+LONGEST_FIRST = ["test_learns.py", "test_qwenimage_edit.py", "test_concurrent_runs.py", "test_image_to_video_learns.py",
+                 "test_terminal.py", "test_families.py", "test_compiled_blocks.py", "test_demo.py",
+                 "test_learns_mutations.py", "test_multiprocess.py", "test_reliability_kill.py", "test_bench_memory.py",
+                 "test_quantized_base.py", "test_cancel.py", "test_multinode.py", "test_video.py",
+                 "test_fuzz_config.py", "test_edit_matrix.py", "test_prefect_launcher.py", "test_parallel_sweep.py",
+                 "test_schedule.py", "test_deploy.py", "test_wan22_both.py", "test_hunyuan_video15.py",
+                 "test_fp8_base.py", "test_w8a8.py", "test_bench_host_memory.py", "test_docs_commands.py",
+                 "test_lora_tools.py", "test_stream_load.py", "test_lora_tools_cli.py", "test_reliability_store.py"]
 
 
 def pytest_collection_modifyitems(config, items):
