@@ -117,11 +117,25 @@ def weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | 
     def stored_low(name: str, shape) -> bool:
         if not name.endswith(".weight") or len(shape) < 2 or (quantized and len(shape) != 2):
             return False
-        parts = name.split(".")[:-1]
-        return not any(re.search(p, ".".join(parts[:i])) for i in range(1, len(parts) + 1) for p in skip_patterns)
+        return not _skipped(name.rpartition(".")[0], tuple(skip_patterns))
 
     return {n: stored_bytes(_numel(s), storage_dtype) if stored_low(n, s) else _numel(s) * _BYTES[dtype]
             for n, s in shapes.items()}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _skipped(path: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a skip pattern matches the module `path` or any module above it. Memoised per path: a block's
+    weights share their parents, and the preflight asks for every weight of a 12-32 B model per setting it
+    weighs (the card table's advice: tens of thousands of weights, hundreds of settings)."""
+    if not path:
+        return False
+    return _skipped(path.rpartition(".")[0], patterns) or any(p.search(path) for p in _compiled(patterns))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(patterns: tuple[str, ...]) -> tuple[re.Pattern, ...]:
+    return tuple(re.compile(p) for p in patterns)
 
 
 def block_order(shapes: dict[str, list[int]], lists: tuple[str, ...]) -> list[tuple[str, int]]:
