@@ -51,26 +51,86 @@ def prefect_home(path: Path) -> str:
 # with them, 0.7 s without; measured 11-27). Runs, task runs, logs, events and artifacts are unchanged.
 UNUSED_SERVICES = ("scheduler", "late_runs", "foreman", "repossessor", "pause_expirations", "cancellation_cleanup",
                    "db_vacuum", "cleanup_reconciler", "triggers")
-_SHARED_API: dict | None = None  # {"url": ..., "stack": ExitStack}: one real server per test process
+_SHARED_API: dict | None = None  # {"url": ..., "stack": ExitStack}: the server this process started
+# `make test`'s controller starts one server for all its workers (pytest_configure below) and hands them its URL
+# here; without xdist, the test process starts its own on first use
+SHARED_API_ENV = "LORAFLOW_TESTS_SHARED_API_URL"
+
+
+def _start_shared_api(port: int | None = None) -> str:
+    global _SHARED_API
+    import contextlib
+
+    from prefect_server import prefect_server
+
+    stack = contextlib.ExitStack()
+    server = stack.enter_context(prefect_server(Path(tempfile.mkdtemp(prefix="loraflow-shared-api-")),
+                                                services={s: False for s in UNUSED_SERVICES}, port=port))
+    _SHARED_API = {"url": server.url, "stack": stack}
+    return server.url
 
 
 def shared_api_url() -> str:
-    """The URL of one real `prefect server start` per test process (xdist worker), started on first use and
-    stopped when the session ends. CLI runs that do not test the temporary API itself use it: each run would
-    otherwise start its own, about 5 s of CPU a run on 2 cores (a no-op run: 6.2 s of CPU with its own, 1.4 s
-    with a running server; measured 11-27). The temporary API keeps its own tests (test_concurrent_runs.py, the
-    demo, test_cli.py, the Ctrl-C tests of test_terminal.py)."""
-    global _SHARED_API
-    if _SHARED_API is None:
-        import contextlib
+    """The URL of one real `prefect server start` for the whole test session: started by xdist's controller
+    before its workers (all of them use it), or by the test process on first use without xdist; stopped when
+    the session ends. CLI runs that do not test the temporary API itself use it: each run would otherwise start
+    its own, about 5 s of CPU a run on 2 cores (a no-op run: 6.2 s of CPU with its own, 1.4 s with a running
+    server; measured 11-27). One server rather than one per worker: each costs ~5 s of CPU to start and its
+    polling while idle (11-28). The temporary API keeps its own tests (test_concurrent_runs.py, the demo,
+    test_cli.py, the Ctrl-C tests of test_terminal.py)."""
+    url = os.environ.get(SHARED_API_ENV)
+    if url:  # the controller's: it may still be starting (it started as the workers did)
+        _wait_until_healthy(url)
+        return url
+    return _SHARED_API["url"] if _SHARED_API is not None else _start_shared_api()
 
-        from prefect_server import prefect_server
 
-        stack = contextlib.ExitStack()
-        server = stack.enter_context(prefect_server(Path(tempfile.mkdtemp(prefix="loraflow-shared-api-")),
-                                                    services={s: False for s in UNUSED_SERVICES}))
-        _SHARED_API = {"url": server.url, "stack": stack}
-    return _SHARED_API["url"]
+_HEALTHY: set[str] = set()
+_UNHEALTHY: set[str] = set()
+
+
+def _wait_until_healthy(url: str, timeout: float = 300) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout  # generous: the controller's server starts beside 3 busy workers
+    while url not in _HEALTHY:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                _HEALTHY.add(url)
+                return
+        except httpx.HTTPError:
+            pass
+        if url in _UNHEALTHY or time.monotonic() > deadline:
+            _UNHEALTHY.add(url)  # the next test fails at once
+            raise RuntimeError(f"the test session's shared Prefect server at {url} did not answer in {timeout:.0f} s "
+                               "(xdist's controller starts it: see its output)")
+        time.sleep(0.5)
+
+
+def pytest_configure(config):
+    """xdist's controller: one shared API server for its workers, started in a thread (the workers start and
+    collect meanwhile) on a port chosen now, so that its URL is in the environment the workers inherit."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        return
+    import threading
+
+    from prefect_server import free_port
+
+    port = free_port()
+    os.environ[SHARED_API_ENV] = f"http://127.0.0.1:{port}/api"
+    starting = threading.Thread(target=_start_shared_api, args=(port,), name="shared-prefect-api", daemon=True)
+    starting.start()
+    config._loraflow_api_start = starting
+
+
+def pytest_unconfigure(config):
+    starting = getattr(config, "_loraflow_api_start", None)
+    if starting is not None:
+        starting.join(300)
+    if _SHARED_API is not None:
+        _SHARED_API["stack"].close()
 
 
 def cli_env(home: Path, **extra) -> dict[str, str]:
@@ -85,11 +145,6 @@ def temporary_api_env(home: Path) -> dict[str, str]:
     its PREFECT_HOME's database already migrated)."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     return {**env, "HF_HUB_OFFLINE": "1", "PREFECT_HOME": prefect_home(home)}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if _SHARED_API is not None:
-        _SHARED_API["stack"].close()
 
 
 FAST = ["train.max_steps=12", "train.log_every=4", "sample.steps=2"]

@@ -235,18 +235,19 @@ def _b64(text: str) -> str:
 @contextlib.contextmanager
 def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: float = 120,
                    services: dict[str, bool] | None = None,
-                   server_settings: dict[str, str] | None = None) -> Iterator[PrefectServer]:
+                   server_settings: dict[str, str] | None = None, port: int | None = None) -> Iterator[PrefectServer]:
     """Starts `prefect server start --host 127.0.0.1 --port <free>` with PREFECT_HOME and a SQLite database
     under `root`; yields a PrefectServer once GET /api/health answers. On exit (also on error) stops every
     process started through it (workers included), group by group.
 
     `services` switches server services on or off, e.g. {"scheduler": False}; `server_settings` adds settings
-    for the server only (e.g. PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS).
+    for the server only (e.g. PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS); `port`: a free port chosen
+    beforehand (the caller hands its URL out before the server answers).
     """
     root = Path(root)
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}/api"
     client_env = clean_env(PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if auth_string is not None:
