@@ -20,6 +20,31 @@ settle("diffusers")  # torch and the model libraries imported as a run imports t
 
 import pytest  # noqa: E402
 
+
+def _tiny_models_built_once() -> None:
+    """Each tiny model (family, seed, arch) built once per test process, then copied into every store that asks
+    for it: tests build the same few dozen models into fresh stores hundreds of times (a build: tokenizers
+    learned, weights drawn and saved; ~25 s of CPU in 5 test files, 11-28). The builders are deterministic
+    (tests/test_tiny_families.py builds twice and compares the bytes, calling them directly, past this cache), so
+    a copy is the bytes a build writes; the store keys and verifies it as any entry. Subprocesses build their own."""
+    import tasks.models as models
+
+    build, built = models._build_tiny, {}
+    root = Path(tempfile.mkdtemp(prefix="loraflow-tiny-models-"))
+
+    def once(family: str, out_dir, seed: int, arch: dict) -> None:
+        key = repr((family, seed, sorted((arch or {}).items())))
+        if key not in built:
+            first = root / str(len(built))
+            build(family, first, seed, arch)
+            built[key] = first
+        shutil.copytree(built[key], out_dir, dirs_exist_ok=True)
+
+    models._build_tiny = once
+
+
+_tiny_models_built_once()
+
 REPO = Path(__file__).resolve().parents[1]
 _MIGRATED: Path | None = None  # a Prefect database at the schema's head, made once per test process
 
