@@ -143,7 +143,8 @@ def load_streamed(cls, folder: Path, dtype: "torch.dtype", store: Store | None =
             model = cls.from_config(cls.load_config(folder))
     finally:
         torch.set_default_dtype(default)
-    extra = _check_architecture(model, entries, folder) | {n for n in entries if n not in model.state_dict()}
+    own = model.state_dict()  # once: building it per entry was quadratic in the tensor count
+    extra = _check_architecture(model, entries, folder) | {n for n in entries if n not in own}
     keep32 = list(cls._keep_in_fp32_modules or [])
     modules = dict(model.named_modules())
     # fp8 files saved with scales: W = fp8 x scale_weight, read first (a scalar or a row each)
