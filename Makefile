@@ -21,17 +21,29 @@ run: $(STAMP)
 
 # The suite runs on the AVX2 kernels whatever this CPU has (torch's ATen, oneDNN and MKL each pick kernels by CPU
 # features): its numbers must hold on an AVX2-only CPU, the commonest in the cloud, not just on this one. The
-# tests marked `numerics` then run once more on this machine's own kernels (AVX-512/AMX where it has them) and
-# its default thread count. Three pytest workers, one test file each at a time: most of the suite's time is spent
+# tests marked `numerics` also run on this machine's own kernels (AVX-512/AMX where it has them) and its default
+# thread count. Three pytest workers, one test file each at a time: most of the suite's time is spent
 # waiting on subprocesses and Prefect servers; one OpenMP thread each, so that they do not oversubscribe the cores;
 # the longest files first (tests/conftest.py LONGEST_FIRST), in that order (--no-loadscope-reorder).
 AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
 WORKERS ?= 3
 
+# The numerics pass runs beside the AVX2 pass, not after it: the AVX2 pass leaves a core idle at times (its
+# workers wait on servers and subprocesses, and its last files end unevenly), which the second pass fills. Its
+# output is printed when both have ended; either failing fails `make test`. It runs in a session of its own,
+# stopped with the recipe (a Ctrl-C, which it would not get as a background job, stops both).
 test: $(STAMP)
-	$(AVX2) OMP_NUM_THREADS=1 $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
-	$(PYTEST) -n 2 -m numerics --durations=10
+	@numerics_log=$$(mktemp); \
+	setsid env $(PYTEST) -n 2 -m numerics --durations=10 > $$numerics_log 2>&1 & numerics=$$!; \
+	trap '[ -n "$$numerics" ] && kill -TERM -$$numerics 2>/dev/null; rm -f $$numerics_log' EXIT; \
+	trap 'exit 130' INT TERM; \
+	echo "make test: the AVX2 pass; the numerics pass runs beside it (its output follows)"; \
+	$(AVX2) OMP_NUM_THREADS=1 $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=30; \
+	avx2_rc=$$?; wait $$numerics; numerics_rc=$$?; numerics=; \
+	echo "== the numerics tests on this CPU's own kernels and thread count (exit $$numerics_rc) =="; \
+	cat $$numerics_log; \
+	if [ $$avx2_rc -ne 0 ]; then exit $$avx2_rc; fi; exit $$numerics_rc
 
 clean:
 	rm -rf .venv outputs multirun .loraflow
