@@ -105,33 +105,21 @@ def shared_api_url() -> str:
     test_cli.py, the Ctrl-C tests of test_terminal.py)."""
     url = os.environ.get(SHARED_API_ENV)
     if url:  # the controller's: it may still be starting (it started as the workers did)
-        _wait_until_healthy(url)
+        global _SHARED_API_READY
+        if _SHARED_API_READY is False:  # a failed wait fails the next test at once, not after another 300 s
+            raise RuntimeError(f"the test session's shared Prefect server at {url} did not answer "
+                               "(xdist's controller starts it: see its output)")
+        if _SHARED_API_READY is None:
+            from prefect_server import wait_until_healthy
+
+            _SHARED_API_READY = False
+            wait_until_healthy(url, timeout=300)  # generous: it starts beside 3 busy workers
+            _SHARED_API_READY = True
         return url
     return _SHARED_API["url"] if _SHARED_API is not None else _start_shared_api()
 
 
-_HEALTHY: set[str] = set()
-_UNHEALTHY: set[str] = set()
-
-
-def _wait_until_healthy(url: str, timeout: float = 300) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout  # generous: the controller's server starts beside 3 busy workers
-    while url not in _HEALTHY:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                _HEALTHY.add(url)
-                return
-        except httpx.HTTPError:
-            pass
-        if url in _UNHEALTHY or time.monotonic() > deadline:
-            _UNHEALTHY.add(url)  # the next test fails at once
-            raise RuntimeError(f"the test session's shared Prefect server at {url} did not answer in {timeout:.0f} s "
-                               "(xdist's controller starts it: see its output)")
-        time.sleep(0.5)
+_SHARED_API_READY: bool | None = None  # None: not waited for yet; False: the wait failed
 
 
 def pytest_configure(config):

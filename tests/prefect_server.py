@@ -232,6 +232,22 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+def wait_until_healthy(url: str, timeout: float, proc: "Process | None" = None) -> None:
+    """Until GET {url}/health answers 200; RuntimeError after `timeout` s, or at once if `proc` (the server,
+    when the caller started it) has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"prefect server exited with {proc.popen.returncode}\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefect server at {url} not healthy after {timeout}s"
+                               + (f"\n{proc.tail()}" if proc is not None else ""))
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: float = 120,
                    services: dict[str, bool] | None = None,
@@ -265,16 +281,7 @@ def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: 
     try:
         proc = server.start("server", "server", "start", "--host", "127.0.0.1", "--port", str(port),
                             env=server_env)
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if not proc.alive():
-                raise RuntimeError(f"prefect server exited with {proc.popen.returncode}\n{proc.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server not healthy after {startup_timeout}s\n{proc.tail()}")
-            time.sleep(0.5)
+        wait_until_healthy(url, startup_timeout, proc)
         yield server
     finally:
         server.stop_all()
