@@ -1,5 +1,6 @@
-"""A sweep whose members run at the same time (Hydra's joblib launcher) against a real `prefect server`:
-the members share one store, each completes, and every stored item is valid with no temp debris left.
+"""A sweep whose members run at the same time (Hydra's joblib launcher) against a real `prefect server` (the
+test session's, conftest.shared_api_url): the members share one store, each completes, and every stored item
+is valid with no temp debris left.
 
 Parallel members cannot wait for each other's items, so both may compute the same latent: concurrent
 writers of one key are safe (same key, same bytes; the first rename wins), which is what this checks."""
@@ -10,8 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import REPO
-from prefect_server import prefect_server
+from conftest import REPO, cli_env
 from tasks.store import Store
 
 
@@ -21,13 +21,12 @@ def test_parallel_sweep_members_share_one_store(tmp_path):
     shutil.copyfile(REPO / "data" / "demo_prompts.txt", prompts)
     n_images = len(list(data.glob("*.png")))
 
-    with prefect_server(tmp_path / "prefect") as server:
-        proc = subprocess.run(
-            [sys.executable, "-m", "flows.train", "-m", "train.lr=1e-3,2e-3", "hydra/launcher=joblib",
-             "hydra.launcher.n_jobs=2", f"data.dir={data}", f"sample.prompts_file={prompts}", f"store.root={store}",
-             f"hydra.sweep.dir={sweep}", "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
-            cwd=REPO, env=server.env, text=True, capture_output=True, timeout=400)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.train", "-m", "train.lr=1e-3,2e-3", "hydra/launcher=joblib",
+         "hydra.launcher.n_jobs=2", f"data.dir={data}", f"sample.prompts_file={prompts}", f"store.root={store}",
+         f"hydra.sweep.dir={sweep}", "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
+        cwd=REPO, env=cli_env(tmp_path / "prefect-home"), text=True, capture_output=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
     reports = [json.loads((sweep / n / "report.json").read_text())["nodes"] for n in ("0", "1")]
     for nodes in reports:
@@ -51,12 +50,11 @@ def test_parallel_sweep_with_a_failing_member(tmp_path):
     """Members in joblib's worker processes: the failed one is listed from its folder (error.txt)."""
     data, missing, sweep = tmp_path / "data", tmp_path / "missing", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", data)
-    with prefect_server(tmp_path / "prefect") as server:
-        proc = subprocess.run(
-            [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{data}", "hydra/launcher=joblib",
-             "hydra.launcher.n_jobs=2", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
-             "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
-            cwd=REPO, env=server.env, text=True, capture_output=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.train", "-m", f"data.dir={missing},{data}", "hydra/launcher=joblib",
+         "hydra.launcher.n_jobs=2", f"store.root={tmp_path / 'store'}", f"hydra.sweep.dir={sweep}",
+         "train.max_steps=4", "train.log_every=2", "sample.steps=2"],
+        cwd=REPO, env=cli_env(tmp_path / "prefect-home"), text=True, capture_output=True, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
     assert f"loraflow: sweep: 1 member(s) failed (0); errors in {sweep / 'summary.md'}" in proc.stderr.splitlines()
