@@ -46,28 +46,18 @@ def _tiny_models_built_once() -> None:
 _tiny_models_built_once()
 
 REPO = Path(__file__).resolve().parents[1]
-_MIGRATED: Path | None = None  # a Prefect database at the schema's head, made once per test process
 
 
 def prefect_home(path: Path) -> str:
     """A new PREFECT_HOME for a CLI run's own temporary API: empty but for a database already migrated (a
-    copy of one made once per test process). Each run still gets its own database, as a user's first run
-    does; it only skips migrating it again, about 4 s of CPU a run."""
-    global _MIGRATED
-    import subprocess
-    import sys
+    copy of the session's, prefect_server.migrated_database). Each run still gets its own database, as a user's
+    first run does; it only skips migrating it again, about 4 s of CPU a run."""
+    from prefect_server import migrated_database
 
-    if _MIGRATED is None:
-        template = Path(tempfile.mkdtemp(prefix="loraflow-prefect-migrated-"))
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(template)}
-        subprocess.run([str(Path(sys.executable).with_name("prefect")), "--no-prompt", "server", "database",
-                        "upgrade", "-y"], env=env, check=True, capture_output=True, timeout=300)
-        _MIGRATED = template
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    for name in ("prefect.db", "prefect.db-wal"):
-        if (_MIGRATED / name).exists() and not (path / name).exists():
-            shutil.copyfile(_MIGRATED / name, path / name)
+    if not (path / "prefect.db").exists():
+        shutil.copyfile(migrated_database(), path / "prefect.db")
     return str(path)
 
 
@@ -129,11 +119,19 @@ def pytest_configure(config):
         return
     import threading
 
-    from prefect_server import free_port
+    from prefect_server import MIGRATED_DB_ENV, free_port, make_migrated_database
 
     port = free_port()
     os.environ[SHARED_API_ENV] = f"http://127.0.0.1:{port}/api"
-    starting = threading.Thread(target=_start_shared_api, args=(port,), name="shared-prefect-api", daemon=True)
+    # the migrated database every new Prefect database of the session copies (its own server's first), made once
+    config._loraflow_migrated = Path(tempfile.mkdtemp(prefix="loraflow-prefect-migrated-"))
+    os.environ[MIGRATED_DB_ENV] = str(config._loraflow_migrated / "prefect.db")
+
+    def start() -> None:
+        make_migrated_database(config._loraflow_migrated / "prefect.db")
+        _start_shared_api(port)
+
+    starting = threading.Thread(target=start, name="shared-prefect-api", daemon=True)
     starting.start()
     config._loraflow_api_start = starting
 
@@ -144,6 +142,8 @@ def pytest_unconfigure(config):
         starting.join(300)
     if _SHARED_API is not None:
         _SHARED_API["stack"].close()
+    if getattr(config, "_loraflow_migrated", None) is not None:
+        shutil.rmtree(config._loraflow_migrated, ignore_errors=True)
 
 
 def cli_env(home: Path, **extra) -> dict[str, str]:

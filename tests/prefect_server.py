@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +47,44 @@ sys.exit(prefect.cli.app())
 PREFECT_CLI = [sys.executable, "-c", SETTLED_PREFECT]
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+# A Prefect database at the schema's head, copied into each new server's or home's folder: migrating a new
+# database is most of a server's start (9.0 s of CPU to answer on a new one, 4.2 s on a copy; `prefect server
+# database upgrade`: 8.3 s; measured 11-28). Under xdist the controller makes it once for all its workers
+# (conftest.pytest_configure) and names it here; otherwise each test process makes its own on first use.
+MIGRATED_DB_ENV = "LORAFLOW_TESTS_MIGRATED_DB"
+_MIGRATED_DB: Path | None = None
+
+
+def make_migrated_database(path: Path) -> Path:
+    """`prefect server database upgrade` on a new database, which then appears at `path` whole (renamed in)."""
+    work = Path(tempfile.mkdtemp(prefix="loraflow-prefect-migrating-", dir=path.parent))
+    subprocess.run([*PREFECT_CLI, "--no-prompt", "server", "database", "upgrade", "-y"], cwd=work,
+                   env=clean_env(PREFECT_HOME=str(work)), check=True, capture_output=True, timeout=600)
+    assert not (work / "prefect.db-wal").exists()  # SQLite folds its log back in when the last connection closes
+    os.replace(work / "prefect.db", path)
+    shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+def migrated_database(timeout: float = 600) -> Path:
+    """The session's migrated database (see MIGRATED_DB_ENV): waited for where the controller is making it."""
+    global _MIGRATED_DB
+    if _MIGRATED_DB is None:
+        shared = os.environ.get(MIGRATED_DB_ENV)
+        if shared:
+            deadline = time.monotonic() + timeout  # generous: it is made beside 3 busy workers
+            while not Path(shared).exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the test session's migrated Prefect database {shared} did not appear "
+                                       f"in {timeout:.0f} s (xdist's controller makes it: see its output)")
+                time.sleep(0.2)
+            _MIGRATED_DB = Path(shared)
+        else:
+            _MIGRATED_DB = make_migrated_database(
+                Path(tempfile.mkdtemp(prefix="loraflow-prefect-migrated-")) / "prefect.db")
+    return _MIGRATED_DB
 
 
 def free_port() -> int:
@@ -253,7 +293,7 @@ def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: 
                    services: dict[str, bool] | None = None,
                    server_settings: dict[str, str] | None = None, port: int | None = None) -> Iterator[PrefectServer]:
     """Starts `prefect server start --host 127.0.0.1 --port <free>` with PREFECT_HOME and a SQLite database
-    under `root`; yields a PrefectServer once GET /api/health answers. On exit (also on error) stops every
+    under `root` (a copy of the migrated one unless `root` has one); yields a PrefectServer once GET /api/health answers. On exit (also on error) stops every
     process started through it (workers included), group by group.
 
     `services` switches server services on or off, e.g. {"scheduler": False}; `server_settings` adds settings
@@ -263,6 +303,8 @@ def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: 
     root = Path(root)
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
+    if not (root / "prefect.db").exists():  # a new server's database, already migrated (MIGRATED_DB_ENV)
+        shutil.copyfile(migrated_database(), root / "prefect.db")
     port = port or free_port()
     url = f"http://127.0.0.1:{port}/api"
     client_env = clean_env(PREFECT_HOME=str(home), PREFECT_API_URL=url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
