@@ -55,6 +55,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # (conftest.pytest_configure) and names it here; otherwise each test process makes its own on first use.
 MIGRATED_DB_ENV = "LORAFLOW_TESTS_MIGRATED_DB"
 _MIGRATED_DB: Path | None = None
+_MIGRATED_DB_MISSING = False  # the controller's did not appear: later callers fail at once, not after another wait
 
 
 def make_migrated_database(path: Path) -> Path:
@@ -70,13 +71,14 @@ def make_migrated_database(path: Path) -> Path:
 
 def migrated_database(timeout: float = 600) -> Path:
     """The session's migrated database (see MIGRATED_DB_ENV): waited for where the controller is making it."""
-    global _MIGRATED_DB
+    global _MIGRATED_DB, _MIGRATED_DB_MISSING
     if _MIGRATED_DB is None:
         shared = os.environ.get(MIGRATED_DB_ENV)
         if shared:
             deadline = time.monotonic() + timeout  # generous: it is made beside 3 busy workers
             while not Path(shared).exists():
-                if time.monotonic() > deadline:
+                if _MIGRATED_DB_MISSING or time.monotonic() > deadline:
+                    _MIGRATED_DB_MISSING = True
                     raise RuntimeError(f"the test session's migrated Prefect database {shared} did not appear "
                                        f"in {timeout:.0f} s (xdist's controller makes it: see its output)")
                 time.sleep(0.2)
@@ -293,8 +295,9 @@ def prefect_server(root: Path, auth_string: str | None = None, startup_timeout: 
                    services: dict[str, bool] | None = None,
                    server_settings: dict[str, str] | None = None, port: int | None = None) -> Iterator[PrefectServer]:
     """Starts `prefect server start --host 127.0.0.1 --port <free>` with PREFECT_HOME and a SQLite database
-    under `root` (a copy of the migrated one unless `root` has one); yields a PrefectServer once GET /api/health answers. On exit (also on error) stops every
-    process started through it (workers included), group by group.
+    under `root` (a copy of the migrated one unless `root` has one); yields a PrefectServer once GET
+    /api/health answers. On exit (also on error) stops every process started through it (workers included),
+    group by group.
 
     `services` switches server services on or off, e.g. {"scheduler": False}; `server_settings` adds settings
     for the server only (e.g. PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS); `port`: a free port chosen
