@@ -35,10 +35,11 @@ WORKERS ?= 3
 # stopped with the recipe (a Ctrl-C, which it would not get as a background job, stops both). Its OpenMP threads
 # sleep when they wait (OMP_WAIT_POLICY=PASSIVE; same kernels, same thread count, same numbers): by default they spin,
 # and beside the AVX2 pass's workers that spinning took about as much CPU as its work (measured 11-28: 120 s of CPU
-# against 65 s for four of its files with the two cores busy).
+# against 65 s for four of its files with the two cores busy). Its tests use no Prefect API, so it starts no shared
+# server (LORAFLOW_TESTS_PREFECT_ON_DEMAND, tests/conftest.py).
 test: $(STAMP)
 	@numerics_log=$$(mktemp); \
-	setsid env OMP_WAIT_POLICY=PASSIVE $(PYTEST) -n 2 -m numerics --durations=10 > $$numerics_log 2>&1 & numerics=$$!; \
+	setsid env OMP_WAIT_POLICY=PASSIVE LORAFLOW_TESTS_PREFECT_ON_DEMAND=1 $(PYTEST) -n 2 -m numerics --durations=10 > $$numerics_log 2>&1 & numerics=$$!; \
 	trap '[ -n "$$numerics" ] && kill -TERM -$$numerics 2>/dev/null; rm -f $$numerics_log' EXIT; \
 	trap 'exit 130' INT TERM; \
 	echo "make test: the AVX2 pass; the numerics pass runs beside it (its output follows)"; \

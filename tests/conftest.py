@@ -70,6 +70,10 @@ _SHARED_API: dict | None = None  # {"url": ..., "stack": ExitStack}: the server 
 # `make test`'s controller starts one server for all its workers (pytest_configure below) and hands them its URL
 # here; without xdist, the test process starts its own on first use
 SHARED_API_ENV = "LORAFLOW_TESTS_SHARED_API_URL"
+# Set by `make test`'s numerics pass, whose tests use no Prefect API: its controller then makes neither the
+# shared server nor the migrated database (~13 s of CPU, then the server's polling); a worker that needs one
+# makes its own on first use, as a test process without xdist does
+ON_DEMAND_ENV = "LORAFLOW_TESTS_PREFECT_ON_DEMAND"
 
 
 def _start_shared_api(port: int | None = None) -> str:
@@ -116,6 +120,8 @@ def pytest_configure(config):
     """xdist's controller: one shared API server for its workers, started in a thread (the workers start and
     collect meanwhile) on a port chosen now, so that its URL is in the environment the workers inherit."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        return
+    if os.environ.get(ON_DEMAND_ENV) == "1":
         return
     import threading
 
