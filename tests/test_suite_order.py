@@ -25,10 +25,15 @@ def test_make_test_keeps_the_order():
     assert re.search(r"--no-loadscope-reorder\b", avx2_pass), avx2_pass
 
 
+def _numerics_pass() -> str:
+    """The Makefile's line that starts the numerics pass."""
+    make = (TESTS.parent / "Makefile").read_text()
+    return next(line for line in make.splitlines() if "-m numerics" in line)
+
+
 def test_the_numerics_pass_beside_it_does_not_spin():
     # its OpenMP threads spinning while they wait took as much CPU as its work, beside the AVX2 pass (Makefile)
-    make = (TESTS.parent / "Makefile").read_text()
-    numerics_pass = next(line for line in make.splitlines() if "-m numerics" in line)
+    numerics_pass = _numerics_pass()
     assert re.search(r"\bOMP_WAIT_POLICY=PASSIVE\b", numerics_pass), numerics_pass
 
 
@@ -40,8 +45,7 @@ def test_the_numerics_pass_starts_no_prefect_server_it_does_not_use(monkeypatch)
     import conftest
     from prefect_server import MIGRATED_DB_ENV
 
-    make = (TESTS.parent / "Makefile").read_text()
-    numerics_pass = next(line for line in make.splitlines() if "-m numerics" in line)
+    numerics_pass = _numerics_pass()
     assert re.search(rf"\b{conftest.ON_DEMAND_ENV}=1\b", numerics_pass), numerics_pass
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # as xdist's controller
     monkeypatch.delenv(conftest.SHARED_API_ENV, raising=False)
