@@ -168,6 +168,10 @@ def _check_device(cfg: Config) -> list[str]:
     elif quantize != "none" and storage:
         errors.append(f"model.quantize={quantize} with model.storage_dtype={storage}: two ways to store the base; "
                       "keep one (model.quantize=fp8 is model.storage_dtype=float8_e4m3fn)")
+    if cfg.text.quantize not in ("none", "fp8", "int8", "nf4"):
+        errors.append(f"text.quantize={cfg.text.quantize!r}: choose none, fp8, int8 or nf4")
+    if cfg.data.vae_tiling not in ("auto", "tiled", "untiled"):
+        errors.append(f"data.vae_tiling={cfg.data.vae_tiling!r}: choose auto, tiled or untiled")
     return errors
 
 

@@ -99,6 +99,9 @@ class DataConfig:
     caption_tag_dropout_rate: float = 0.0
     token_warmup_step: float = 0  # 0: off; below 1: a fraction of train.max_steps
     token_warmup_min: int = 1
+    # cache_latents' VAE: auto (tiled where the preflight says an untiled encode does not fit the device) | tiled |
+    # untiled; a tiled latent differs from an untiled one, so its key says which (tasks/cache_latents.py)
+    vae_tiling: str = "auto"
 
 
 @dataclass
@@ -185,6 +188,9 @@ class SampleConfig:
     # cpu: the start noise is drawn on the CPU (a seed gives the same image on any machine); device: on
     # the sampler's device.
     generator_device: str = "cpu"
+    # The final sample node's denoiser (tasks/sample.py): streamed in and stored as model.quantize, as training
+    # stored it; offload: its blocks wait on the host, copied in one at a time (diffusers' group offloading)
+    offload: bool = False
 
 
 @dataclass
@@ -198,6 +204,13 @@ class TextConfig:
     variants_seed: int = 0
     fresh_draws: bool = False  # true: a new draw every step, encoded on demand (encoders stay loaded)
     offload_encoders: bool = False  # true: the train node must never load the text encoders
+    # none | fp8 | int8 | nf4: how cache_text stores the text encoders' Linear weights as it streams them in
+    # (tasks/models/loading/text_load.py); in each text's cache key, so embeddings of differently stored
+    # encoders never mix
+    quantize: str = "none"
+    # true: the encoders' layers wait on the host and are copied to the GPU one block at a time (diffusers' group
+    # offloading, with prefetch on CUDA), for an encoder that does not fit the card even quantized
+    offload: bool = False
 
 
 @dataclass
