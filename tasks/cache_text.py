@@ -21,9 +21,12 @@ log = logging.getLogger("loraflow")
 
 
 def params(cfg: Config, plan: Plan) -> dict:
+    # text.quantize names how the encoders were stored (an nf4 encoder's embeddings never stand in for bf16 ones);
+    # absent at none, so keys made before it stay; text.offload moves weights, never changes a value: not in it
+    stored = {"text_quantize": cfg.text.quantize} if cfg.text.quantize != "none" else {}
     return {"node": "cache_text", "code": CODE_VERSION, "encoders": plan.ids["text"],
             "max_sequence_length": cfg.model.max_sequence_length, "dtype": cfg.model.dtype,
-            "family": plan.family, **runtime()}
+            "family": plan.family, **stored, **runtime()}
 
 
 def caption_aug(cfg: Config) -> augment.CaptionAug:
@@ -139,7 +142,11 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
         by_key = {keys[n]: t for n, t in texts.items()}
         seen_by_key = {keys[n]: s for n, s in seen.items()}
         adapter = make_adapter(cfg.model, plan.model_dir)
-        encoders = load_once(models, (KIND, key_of(plan.ids), cfg.model.dtype), adapter.load_text_encoders)
+        from tasks.training.quantized_base import text_loading  # torch and diffusers: only when encoding
+
+        adapter.text_loading = text_loading(cfg.text)  # text.quantize / text.offload (text_load.py)
+        encoders = load_once(models, (KIND, key_of(plan.ids), cfg.model.dtype, adapter.text_loading),
+                             adapter.load_text_encoders)
         batches = list(chunks(status.missing, batch_size))
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch in progress(batches, "cache_text", len(batches)):

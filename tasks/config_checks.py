@@ -170,6 +170,10 @@ def _check_device(cfg: Config) -> list[str]:
                       "keep one (model.quantize=fp8 is model.storage_dtype=float8_e4m3fn)")
     if cfg.text.quantize not in ("none", "fp8", "int8", "nf4"):
         errors.append(f"text.quantize={cfg.text.quantize!r}: choose none, fp8, int8 or nf4")
+    elif (cfg.text.quantize != "none" or cfg.text.offload) and cfg.train.text_encoder_lr is not None:
+        setting = f"text.quantize={cfg.text.quantize}" if cfg.text.quantize != "none" else "text.offload=true"
+        errors.append(f"{setting} with train.text_encoder_lr: the text encoders train, in model.dtype on the "
+                      f"device; drop {setting.split('=')[0]} or train.text_encoder_lr")
     if cfg.data.vae_tiling not in ("auto", "tiled", "untiled"):
         errors.append(f"data.vae_tiling={cfg.data.vae_tiling!r}: choose auto, tiled or untiled")
     return errors

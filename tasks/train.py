@@ -114,6 +114,9 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     """Data readers, seeds, accelerate, the denoiser with its LoRA, the optimizer and schedules, the sampler."""
     tc = cfg.train
     adapter = make_adapter(cfg.model, plan.model_dir)
+    from tasks.training.quantized_base import text_loading
+
+    adapter.text_loading = text_loading(cfg.text)  # captions encoded live: the encoders as cache_text stores them
     names = [it["name"] for it in plan.items]
     latents = Latents(store, [latent_keys[n] for n in names])
     texts = Captions(cfg, plan, store, adapter, text_keys)

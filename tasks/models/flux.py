@@ -70,12 +70,12 @@ class FluxAdapter(TransformerAdapter):
     def load_text_encoders(self):
         # The four text parts, loaded directly as diffusers' Flux LoRA example does: a FluxPipeline around them
         # costs ~5 % of text-caching throughput (module walks per call, a second tokenization for its warning).
-        load = dict(dtype=self.dtype, **_SAFE)
+        # Streamed, stored as text.quantize says and placed (pretrained_text_encoder).
         return _TextEncoders(
             tokenizer=transformers.CLIPTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
             tokenizer_2=transformers.T5TokenizerFast.from_pretrained(self.model_dir, subfolder="tokenizer_2"),
-            text_encoder=transformers.CLIPTextModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval(),
-            text_encoder_2=transformers.T5EncoderModel.from_pretrained(self.model_dir, subfolder="text_encoder_2", **load).to(self.device).eval())
+            text_encoder=self.pretrained_text_encoder("text_encoder", transformers.CLIPTextModel),
+            text_encoder_2=self.pretrained_text_encoder("text_encoder_2", transformers.T5EncoderModel))
 
     @no_grad
     def encode_text(self, enc, texts):

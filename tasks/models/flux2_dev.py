@@ -27,7 +27,7 @@ class Flux2DevAdapter(Flux2Adapter):
         # tokenizer in that folder has, so the tokenizer is loaded alone.
         tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer")
         return diffusers.Flux2Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, tokenizer=tokenizer,
-                                                       **TEXT_PARTS).to(self.device)
+                                                       **self.text_encoder_parts(), **TEXT_PARTS).to(self.device)
 
     def sample(self, pipe, prompt, negative, empty, width, height, steps, guidance, true_cfg, seed, generator_device="cpu",
                controls=()):

@@ -136,10 +136,10 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     def load_text_encoders(self):
         # HunyuanVideo15Pipeline.__init__ reads vae.config (diffusers 0.42.1 fails with vae=None): the VAE is
         # loaded with the pipeline and dropped; only the two text encoders go to the device
-        pipe = self.text_pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, **_SAFE)
+        # the two text encoders streamed, stored as text.quantize says and placed (pretrained_text_encoder)
+        pipe = self.text_pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None,
+                                                      **self.text_encoder_parts(), **_SAFE)
         pipe.vae = None
-        pipe.text_encoder.to(self.device)
-        pipe.text_encoder_2.to(self.device)
         return self.set_text_lengths(pipe)
 
     @no_grad

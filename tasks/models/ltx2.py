@@ -131,7 +131,8 @@ class LTX2Adapter(TransformerAdapter):
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
         # tokenizer, Gemma 3 and the connectors, in the pipeline that runs them
-        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.text_encoder_parts(),
+                                                 **_TEXT_PARTS).to(self.device)
 
     @no_grad
     def encode_text(self, pipe, texts):

@@ -43,7 +43,8 @@ class QwenImageAdapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return diffusers.QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+        return diffusers.QwenImagePipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.text_encoder_parts(),
+                                                           **_TEXT_PARTS).to(self.device)
 
     @no_grad
     def encode_text(self, pipe, texts):

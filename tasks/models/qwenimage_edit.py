@@ -65,7 +65,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def load_text_encoders(self):
         processor = vision_text_processor(self.model_dir)
         pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(
-            self.model_dir, transformer=None, vae=None, processor=None, dtype=self.dtype, **_SAFE).to(self.device)
+            self.model_dir, transformer=None, vae=None, processor=None, dtype=self.dtype, **self.text_encoder_parts(),
+            **_SAFE).to(self.device)
         pipe.processor = processor  # set after loading: from_pretrained takes only ProcessorMixin subclasses
         return pipe
 

@@ -61,7 +61,8 @@ class SD3Adapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return diffusers.StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **_TEXT_PARTS).to(self.device)
+        return diffusers.StableDiffusion3Pipeline.from_pretrained(self.model_dir, dtype=self.dtype, **self.text_encoder_parts(),
+                                                                  **_TEXT_PARTS).to(self.device)
 
     @no_grad
     def encode_text(self, pipe, texts):

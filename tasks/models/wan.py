@@ -87,6 +87,7 @@ class WanAdapter(TransformerAdapter):
 
     def load_text_encoders(self):
         return self.text_pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, transformer=None, vae=None,
+                                                      **self.text_encoder_parts(),
                                                       **({"transformer_2": None} if self._has_expert_2() else {}),
                                                       **_SAFE).to(self.device)
 

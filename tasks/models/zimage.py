@@ -59,10 +59,9 @@ class ZImageAdapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        load = dict(dtype=self.dtype, **_SAFE)
         return _TextEncoders(
             tokenizer=transformers.AutoTokenizer.from_pretrained(self.model_dir, subfolder="tokenizer"),
-            text_encoder=transformers.AutoModel.from_pretrained(self.model_dir, subfolder="text_encoder", **load).to(self.device).eval())
+            text_encoder=self.pretrained_text_encoder("text_encoder"))  # streamed, stored, placed
 
     @no_grad
     def encode_text(self, enc, texts):

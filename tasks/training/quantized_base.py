@@ -86,3 +86,20 @@ def quantize_base(model: torch.nn.Module, kind: str, compute_dtype: torch.dtype,
         HookRegistry.check_if_exists_or_initialize(module).register_hook(QuantizedHook(stored, compute_dtype), HOOK_NAME)
         out["quantized"].append(path)
     return out
+
+
+def store_text_weight(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """A text encoder's Linear weight as text.quantize stores it: fp8 (the plain cast), int8 or NF4 as above."""
+    return weight.to(torch.float8_e4m3fn) if kind == "fp8" else quantize_weight(weight, kind)
+
+
+def hook_stored(module: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """fp8_base's hook on a Linear whose weight is stored already: dequantized to `compute_dtype` for each matmul."""
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(StorageCastHook(None, compute_dtype), HOOK_NAME)
+
+
+def text_loading(text_cfg):
+    """text.quantize / text.offload as tasks/models/loading/text_load.py takes them, with these functions."""
+    from tasks.models.loading.text_load import TextLoading
+
+    return TextLoading(text_cfg.quantize, bool(text_cfg.offload), store_text_weight, hook_stored)

@@ -216,6 +216,35 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def load_text_encoders(self) -> Any: ...
 
+    # How load_text_encoders stores and places the encoders (text.quantize, text.offload): set by the nodes that
+    # encode text (tasks/models/loading/text_load.py: TextLoading); None = as stored, on the device
+    text_loading = None
+
+    def pretrained_text_encoder(self, subfolder: str, cls: type | None = None) -> torch.nn.Module:
+        """The transformers text encoder in `self.model_dir/subfolder` (its class from model_index.json unless
+        given), streamed in, stored as self.text_loading says and placed on the device (text_load.py)."""
+        import json
+
+        import transformers
+
+        from tasks.models.loading.text_load import TextLoading, load_text_model
+
+        if cls is None:
+            cls = getattr(transformers, json.loads((self.model_dir / "model_index.json").read_text())[subfolder][1])
+        _quiet_diffusers_bars()
+        return load_text_model(cls, self.model_dir / subfolder, self.dtype, self.text_loading or TextLoading(),
+                               str(self.device))
+
+    def text_encoder_parts(self) -> dict[str, torch.nn.Module]:
+        """Every transformers text encoder of the model folder (model_index.json), loaded by
+        pretrained_text_encoder: from_pretrained keyword arguments that hand them to the family's pipeline."""
+        import json
+
+        index = json.loads((self.model_dir / "model_index.json").read_text())
+        return {name: self.pretrained_text_encoder(name) for name, spec in index.items()
+                if name.startswith("text_encoder") and isinstance(spec, list) and spec[0] == "transformers"
+                and spec[1] is not None and (self.model_dir / name).is_dir()}
+
     @abstractmethod
     def encode_text(self, encoders, texts: list[str]) -> list[dict[str, torch.Tensor]]:
         """One dict of named tensors per text (embeddings, pooled, masks), without a batch dimension."""

@@ -61,7 +61,9 @@ class Flux2Adapter(TransformerAdapter):
 
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
-        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **TEXT_PARTS).to(self.device)
+        # the text encoder streamed, stored as text.quantize says and placed (pretrained_text_encoder)
+        return self.pipeline_cls.from_pretrained(self.model_dir, dtype=self.dtype, **self.text_encoder_parts(),
+                                                 **TEXT_PARTS).to(self.device)
 
     @no_grad
     def encode_text(self, pipe, texts):

@@ -82,7 +82,7 @@ class UNetAdapter(FamilyAdapter):
     # -- text ------------------------------------------------------------------------------------
     def load_text_encoders(self):
         return self.pipeline_cls.from_pretrained(self.model_dir, unet=None, vae=None, dtype=self.dtype,
-                                                 **self.skip_parts, **_SAFE).to(self.device)
+                                                 **self.text_encoder_parts(), **self.skip_parts, **_SAFE).to(self.device)
 
     @abstractmethod
     def _encode(self, pipe, texts: list[str]) -> dict[str, torch.Tensor]:

@@ -132,7 +132,7 @@ def load_streamed(cls, folder: Path, dtype: "torch.dtype", store: Store | None =
     from accelerate.utils import set_module_tensor_to_device
 
     entries = folder_entries(folder)
-    _return_freed_memory()
+    return_freed_memory()
     from diffusers.models.modeling_utils import no_init_weights
 
     # as from_pretrained builds it: no init draws from the RNG, tensors made in __init__ in `dtype`
@@ -173,7 +173,7 @@ def load_streamed(cls, folder: Path, dtype: "torch.dtype", store: Store | None =
     return model.eval()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """glibc raises its mmap threshold to the size of each large block freed, so the next tensors of that size
     come from the heap, and the heap it cannot shrink grows by what is freed in between: loading a 12 B base
     tensor by tensor left 2.4 GiB above the weights (bench/load.json). A fixed threshold keeps every tensor

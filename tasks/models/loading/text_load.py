@@ -1,0 +1,154 @@
+"""Loading a text encoder (a transformers model) at the card's size (issue 61): built on the meta device, then
+read one tensor at a time from the folder's safetensors files (stream_load's reader: no mapping of the file, no
+bf16 copy of the model in host memory), each Linear weight stored as `text.quantize` says the moment it is read,
+and put on the device. `text.offload`: the stored weights wait on the host and each block is copied to the
+device when it runs (diffusers' group offloading, the next block prefetched on a CUDA stream).
+
+The stored forms are the denoiser's (tasks/training/quantized_base.py, fp8_base.py): fp8 (plain cast), torchao's
+Int8Tensor per row, torchao's NF4; each Linear dequantized to `model.dtype` for its matmul by fp8_base's hook.
+Embeddings, norms, biases and convolutions stay in `model.dtype`, and so do the modules transformers keeps in
+fp32 (its quantizers leave them unconverted too; with fp8 also at bf16: T5's `wo`, see _unstored). With `text.quantize=none` the weights are those
+`from_pretrained(dtype=...)` gives, bit for bit (tests/test_text_load.py).
+
+Checkpoint names are renamed as transformers' own loader renames them (its conversion mapping: e.g. Mistral 3's
+`language_model.model.*` -> `model.language_model.*`); a checkpoint that needs one of its converters (fused or
+split weights) is loaded by from_pretrained whole, which the log says."""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tasks.config import ConfigError
+from tasks.lazy import lazy
+
+torch = lazy("torch")
+log = logging.getLogger("loraflow")
+KINDS = ("none", "fp8", "int8", "nf4")
+
+
+@dataclass(frozen=True)
+class TextLoading:
+    """How cache_text (and live caption encoding) loads the text encoders: text.quantize and text.offload, with
+    the train node's storage functions handed in (tasks/training/quantized_base.py: text_loading), which this
+    layer may not import: `store(weight, kind)` -> the stored weight or None; `hook(module, dtype)` makes a
+    stored Linear compute in `dtype`."""
+    quantize: str = "none"
+    offload: bool = False
+    store: Callable | None = None
+    hook: Callable | None = None
+
+
+def _renamer(model):
+    """checkpoint key -> model key, by transformers' conversion mapping for this model; None where a key needs a
+    converter (not a plain rename)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+
+    def rename(key: str) -> str | None:
+        new, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        return None if converter is not None else new
+    return rename
+
+
+def _module_pattern(names) -> re.Pattern | None:
+    return re.compile("|".join(f"(^|\\.){re.escape(k)}($|\\.)" for k in names)) if names else None
+
+
+def _unstored(model, kind: str) -> re.Pattern | None:
+    """Linears kept in the compute dtype under `kind`: for fp8, the ones transformers may keep in fp32 (T5's `wo`),
+    whose caller casts its input to the weight's dtype (a plain fp8 weight would make that input fp8; torchao's
+    tensors report the compute dtype)."""
+    return _module_pattern(model._keep_in_fp32_modules) if kind == "fp8" else None
+
+
+def load_text_model(cls, folder: Path, dtype, loading: TextLoading = TextLoading(), device: str = "cpu"):
+    """`cls.from_pretrained(folder, dtype=dtype)`'s model, streamed and stored as `loading` says, placed on `device`
+    (or group-offloaded to it with loading.offload). Returns the model in eval mode."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    from tasks.models.loading.stream_load import return_freed_memory, folder_entries, iter_tensors
+
+    if loading.quantize not in KINDS:
+        raise ConfigError(f"text.quantize={loading.quantize!r}: choose one of {', '.join(KINDS)}")
+    if loading.quantize != "none" and (loading.store is None or loading.hook is None):
+        raise ValueError("TextLoading with a quantize kind needs its store and hook")  # a bug, not a user error
+    folder = Path(folder)
+    config = cls.config_class.from_pretrained(folder)
+    entries = folder_entries(folder)
+    return_freed_memory()
+    with init_empty_weights():
+        model = cls._from_config(config, dtype=dtype)
+    rename = _renamer(model)
+    names = {k: rename(k) for k in entries}
+    if any(v is None for v in names.values()):  # a converter's checkpoint: transformers' own loader
+        log.info("%s: this checkpoint's weights need transformers' converters; loaded by from_pretrained", folder)
+        return _placed(cls.from_pretrained(folder, dtype=dtype, use_safetensors=True), loading, device, dtype)
+    own = model.state_dict()
+    _check(model, own, set(names.values()), folder)
+    keep32 = _module_pattern(model._get_dtype_plan(dtype))  # transformers' fp32 weights at this dtype
+    unstored = _unstored(model, loading.quantize)
+    modules = dict(model.named_modules())
+    store_device = "cpu" if loading.offload else device
+    stored_paths = []
+    for key, raw in iter_tensors({k: e for k, e in entries.items() if names[k] in own}):
+        name = names[key]
+        module_path, _, leaf = name.rpartition(".")
+        module = modules[module_path]
+        if raw.is_floating_point():
+            fp32 = keep32 is not None and keep32.search(name)
+            value = raw.to(store_device).to(torch.float32 if fp32 else dtype)
+            if loading.quantize != "none" and leaf == "weight" and type(module) is torch.nn.Linear and not fp32 \
+                    and not (unstored and unstored.search(name)):
+                stored = loading.store(value, loading.quantize)
+                if stored is not None:
+                    module._parameters["weight"] = torch.nn.Parameter(stored, requires_grad=False)
+                    stored_paths.append(module_path)
+                    continue
+        else:
+            value = raw.to(store_device)
+        del raw
+        kwargs = {"dtype": value.dtype} if value.is_floating_point() else {}  # else it casts to the meta dtype
+        set_module_tensor_to_device(model, name, value.device, value=value.contiguous(), **kwargs)
+    model.tie_weights()
+    left = [n for n, t in model.state_dict().items() if t.is_meta]
+    if left:
+        raise ConfigError(f"{folder}: the checkpoint lacks {len(left)} weights of {cls.__name__} (e.g. "
+                          f"{', '.join(left[:3])}); download the text encoder again or fix model.path")
+    modules = dict(model.named_modules())
+    for path in stored_paths:  # each stored Linear dequantized to `dtype` for its matmul, one layer at a time
+        loading.hook(modules[path], dtype)
+    return _placed(model, loading, device, dtype, moved=True)
+
+
+def _check(model, own: dict, have: set, folder: Path) -> None:
+    """Refuses missing or reshaped weights (a checkpoint of another encoder); tied weights may be absent."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = sorted(n for n in set(own) - have if n not in tied)
+    if missing:
+        raise ConfigError(f"{folder}: the checkpoint lacks {len(missing)} weights of {type(model).__name__} as its "
+                          f"config.json describes (e.g. {', '.join(missing[:3])}); is it this family's text encoder?")
+
+
+def _placed(model, loading: TextLoading, device: str, dtype, moved: bool = False):
+    """On the device, or its blocks group-offloaded there (text.offload); from_pretrained's model stored now."""
+    if not moved and loading.quantize != "none":
+        raise ConfigError(f"text.quantize={loading.quantize}: {type(model).__name__}'s checkpoint needs "
+                          "transformers' converters, which the streamed loader does not run; use text.quantize=none")
+    model.eval()
+    if loading.offload:
+        from diffusers.hooks import apply_group_offloading
+
+        cuda = str(device).startswith("cuda")
+        apply_group_offloading(model, onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=cuda)
+        return model
+    return model.to(device)
