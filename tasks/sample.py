@@ -19,6 +19,7 @@ from tasks.plan import Plan
 from tasks.runtime import runtime
 from tasks.store import Store
 from tasks.store.hashing import key_of
+from tasks.training.stored_sampler import stored_key
 
 Image = lazy("PIL.Image")  # a no-op run renders no sample (tasks/lazy.py)
 
@@ -33,7 +34,7 @@ settings = prompts.sample_settings  # a prompt's own kohya options over the samp
 def prompt_inputs(cfg: Config, plan: Plan, text_keys: dict[str, str]) -> dict[str, dict]:
     """What each prompt's image depends on besides the LoRA (its settings, texts and the sampler)."""
     base = {"node": "sample", "code": CODE_VERSION, "model": plan.ids["sample"],
-            "dtype": cfg.model.dtype, "family": plan.family, **runtime()}
+            "dtype": cfg.model.dtype, "family": plan.family, **stored_key(cfg), **runtime()}
     if te_lora.enabled(cfg):
         # Encoded live (nothing cached): each text by its cache key (the text and the encoders' identity); the
         # LoRA's key covers the encoders' LoRA.
@@ -117,7 +118,10 @@ def run(cfg: Config, plan: Plan, store: Store, lora_key: str, lora_file: str, te
     if status.missing:
         adapter = make_adapter(cfg.model, plan.model_dir)
         live = te_lora.enabled(cfg)  # the LoRA file has text-encoder layers: the pipeline keeps its encoders
-        pipe = adapter.load_sampler(Path(lora_file), **({"text_encoders": True} if live else {}))
+        from tasks.training.stored_sampler import load_stored_sampler  # torch: only when rendering
+
+        # the denoiser stored as training stored it (model.quantize), offloaded with sample.offload
+        pipe = load_stored_sampler(adapter, cfg, Path(lora_file), **({"text_encoders": True} if live else {}))
 
         def tensors(name: str, text: str) -> dict:
             if live:  # by the pipeline's encoders, which hold the LoRA file's text-encoder layers

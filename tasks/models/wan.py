@@ -94,6 +94,10 @@ class WanAdapter(TransformerAdapter):
     def _has_expert_2(self) -> bool:
         return (self.model_dir / "transformer_2").is_dir()
 
+    def sample_denoisers(self):
+        # Wan 2.2 A14B samples with both experts, whichever one a run trains
+        return {f: self.denoiser_cls for f in ("transformer", "transformer_2") if (self.model_dir / f).is_dir()}
+
     @no_grad
     def encode_text(self, pipe, texts):
         # The pipeline's own T5 states: each caption's tokens, then zeros up to max_sequence_length (the

@@ -321,13 +321,31 @@ class FamilyAdapter(ABC):
         """The module whose peft layers are the LoRA to write (the denoiser itself but for Wan 2.2's two experts)."""
         return denoiser
 
+    # The sample node's denoisers, streamed and stored as training stored them (tasks/training/stored_sampler.py):
+    # {subfolder: model}, handed to the pipeline by live(); on_host: their blocks wait on the host (sample.offload)
+    sampler_parts: dict = {}
+    sampler_on_host = False
+
+    def sample_denoisers(self) -> dict[str, type]:
+        """{subfolder: class} of every denoiser the family's pipeline runs (Wan 2.2: both experts, whichever trains)."""
+        return {self.denoiser_subfolder: self.denoiser_cls}
+
     def live(self, denoiser) -> dict:
-        """from_pretrained kwargs that plug the model being trained into a pipeline (none: load it)."""
-        return {} if denoiser is None else {self.denoiser_subfolder: denoiser}
+        """from_pretrained kwargs that plug the model being trained into a pipeline, or the sample node's stored
+        denoisers (none: the pipeline loads them)."""
+        return dict(self.sampler_parts) if denoiser is None else {self.denoiser_subfolder: denoiser}
 
     def place(self, pipe, denoiser):
-        # A pipeline around the training model stays on its device; otherwise the sampling device.
-        return pipe.to(self.device if denoiser is None else denoiser.device)
+        # A pipeline around the training model stays on its device; otherwise the sampling device, but for
+        # denoisers group-offloaded from the host (sample.offload), which bring each block in when it runs
+        if denoiser is not None:
+            return pipe.to(denoiser.device)
+        if self.sampler_on_host:
+            for name, part in pipe.components.items():
+                if isinstance(part, torch.nn.Module) and name not in self.sampler_parts:
+                    part.to(self.device)
+            return pipe
+        return pipe.to(self.device)
 
     @abstractmethod
     def sample(self, pipe, prompt: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,
