@@ -77,13 +77,16 @@ def folder_entries(folder: Path) -> dict[str, Entry]:
     """Every tensor of a diffusers model folder: its sharded index's files, or its one safetensors file (the
     canonical name first: hub folders also hold variants such as diffusion_pytorch_model.fp16.safetensors,
     which from_pretrained reads only when asked)."""
-    index = next(iter(sorted(folder.glob("*.safetensors.index.json"))), None)
-    canonical = folder / "diffusion_pytorch_model.safetensors"
+    # the canonical index first: a hub folder may also hold a variant's (model.fp16.safetensors.index.json)
+    indexes = sorted(folder.glob("*.safetensors.index.json"), key=lambda p: (p.name.count(".") > 3, p.name))
+    index = next(iter(indexes), None)
+    # diffusers' name, then transformers' (a text encoder's folder, tasks/models/loading/text_load.py)
+    canonical = [folder / n for n in ("diffusion_pytorch_model.safetensors", "model.safetensors") if (folder / n).exists()]
     if index is not None:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         paths = [folder / f for f in files]
-    elif canonical.exists():
-        paths = [canonical]
+    elif canonical:
+        paths = canonical[:1]
     else:
         paths = sorted(folder.glob("*.safetensors"))
     if not paths:
