@@ -205,6 +205,9 @@ def config_errors(cfg: Config) -> list[str]:
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg.data)
     errors += validation.errors(cfg)
+    if cfg.sample.offload and not adapter_cls.swap_blocks:
+        errors.append(f"sample.offload=true swaps the denoiser's transformer blocks in from the host; "
+                      f"model.family={cfg.model.family} has none: set it to false")
     errors += te_lora.errors(cfg, adapter_cls) + controls.errors(cfg.data, cfg.model.family, adapter_cls)
     errors += video.errors(cfg, adapter_cls) + first_frame.errors(cfg, adapter_cls)
     if cfg.data.random_crop:

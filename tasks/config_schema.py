@@ -189,7 +189,7 @@ class SampleConfig:
     # the sampler's device.
     generator_device: str = "cpu"
     # The final sample node's denoiser (tasks/sample.py): streamed in and stored as model.quantize, as training
-    # stored it; offload: its blocks wait on the host, copied in one at a time (diffusers' group offloading)
+    # stored it; offload: every block waits on the host, copied in as it runs (the train node's block swap)
     offload: bool = False
 
 
@@ -208,8 +208,8 @@ class TextConfig:
     # (tasks/models/loading/text_load.py); in each text's cache key, so embeddings of differently stored
     # encoders never mix
     quantize: str = "none"
-    # true: the encoders' layers wait on the host and are copied to the GPU one block at a time (diffusers' group
-    # offloading, with prefetch on CUDA), for an encoder that does not fit the card even quantized
+    # true: the encoders' layers wait on the host and are copied to the GPU one at a time, the next prefetched
+    # (the train node's block swap over every layer), for an encoder that does not fit the card even quantized
     offload: bool = False
 
 

@@ -81,16 +81,31 @@ def test_stored_linears_compute_from_their_stored_weights(folders, family, sub, 
     assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias)), name
 
 
-@pytest.mark.parametrize("kind", ["none", "nf4"])
-def test_offloaded_encoder_gives_the_same_embeddings(folders, kind):
-    cls, folder = _encoder(folders, "qwenimage", "text_encoder")
+@pytest.fixture
+def copy_on_host(monkeypatch):
+    """The block swap's copies run on the CPU too (there the weights are otherwise used where they are)."""
+    from tasks.training.block_swap import BlockSwap
+
+    monkeypatch.setattr(BlockSwap, "copy_on_host", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+@pytest.mark.parametrize("family,sub", [("qwenimage", "text_encoder"), ("flux", "text_encoder_2")])
+def test_offloaded_encoder_gives_the_same_embeddings(folders, family, sub, kind, dtype, copy_on_host):
+    cls, folder = _encoder(folders, family, sub)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     outs = []
     for offload in (False, True):
-        model = load_text_model(cls, folder, torch.bfloat16, text_loading(SimpleNamespace(quantize=kind, offload=offload)))
+        model = load_text_model(cls, folder, dtype, text_loading(SimpleNamespace(quantize=kind, offload=offload)))
+        if offload:  # every layer's Linear weights held by the swap on the host, the modules empty placeholders
+            layers = [layer for m in model.modules() if isinstance(m, torch.nn.ModuleList) for layer in m]
+            assert len(model.loraflow_block_swap.hosts) >= 2
+            assert all(lin.weight.numel() == 0 for layer in layers for lin in layer.modules()
+                       if isinstance(lin, torch.nn.Linear))
         with torch.no_grad():
             outs.append(model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
-    assert torch.equal(*outs)  # exact: offloading moves weights (a no-op on the CPU), never changes a value
+    assert torch.equal(*outs)  # exact: the swap copies weights (copy_on_host), never changes a value
 
 
 def test_a_checkpoint_of_another_encoder_is_refused_in_one_line(folders):
@@ -155,3 +170,27 @@ def test_sample_node_applies_the_lora_as_training_did(tmp_path, quantize):
     store_like_training(whole.transformer, stored_as(cfg.model), torch.bfloat16,
                         layerwise_skip_patterns(adapter.denoiser_cls), "dequantize")
     assert torch.equal(render(streamed), render(whole))  # exact: the same stored weights, LoRA and kernels
+
+
+def test_offloaded_sampler_renders_the_same_bytes(tmp_path, copy_on_host):
+    """sample.offload: every block's stored weights on the host, copied in per use (the copies run on the CPU too
+    here), the rest placed; the same images as the placed sampler."""
+    from tasks.training.stored_sampler import load_stored_sampler
+
+    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "model.quantize=nf4", "train.max_steps=1")
+    plan, _, txt, lora, _ = run_nodes(cfg, Store(cfg.store.root))
+    prompt = Store(cfg.store.root).get_tensors(cache_text.KIND, next(v for k, v in txt["items"].items() if k.startswith("prompt:")))
+    adapter = make_adapter(cfg.model, plan.model_dir)
+    images = []
+    for offload in (False, True):
+        pipe = load_stored_sampler(adapter, _cfg(tmp_path, "model.dtype=bfloat16", "model.quantize=nf4",
+                                                 f"sample.offload={str(offload).lower()}"), Path(lora["lora"]))
+        if offload:
+            swap = pipe.transformer.loraflow_block_swap
+            assert len(swap.hosts) == len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
+        images.append(pipe(prompt_embeds=prompt["prompt_embeds"][None].to(torch.bfloat16),
+                           pooled_prompt_embeds=prompt["pooled_prompt_embeds"][None].to(torch.bfloat16), width=32,
+                           height=32, num_inference_steps=2, guidance_scale=1.0,
+                           generator=torch.Generator().manual_seed(0), output_type="pt").images)
+    assert torch.equal(*images)  # exact: the swap copies stored weights, never changes a value
+    assert any("sample.offload=true swaps" in e for e in config_errors(_cfg(tmp_path, "model=tiny_sd15", "sample.offload=true")))

@@ -35,6 +35,24 @@ def blocks(denoiser: torch.nn.Module, lists: tuple[str, ...]) -> list[torch.nn.M
     return [b for name in lists for b in getattr(denoiser, name, ())]
 
 
+def swap_every_layer(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+    """Every repeated layer of a frozen `model` (the children of its outermost ModuleLists, in module order: a text
+    encoder's layers, its vision tower's) swapped as `swap_blocks` swaps a denoiser's blocks; returns the bytes
+    moved. A weight transformers keeps in fp32 still computes in fp32 (its hook's dtype is its own)."""
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = [layer for n, m in named if not any(n.startswith(o + ".") for o, _ in named) for layer in m]
+    for module in (m for layer in layers for m in layer.modules()):
+        if isinstance(module, CASTABLE) and module.weight.dtype == torch.float32 != compute_dtype:
+            registry = HookRegistry.check_if_exists_or_initialize(module)
+            if registry.get_hook(HOOK_NAME) is None:
+                registry.register_hook(StorageCastHook(None, torch.float32), HOOK_NAME)
+    holder = torch.nn.Module()  # the layers side by side for swap_blocks; the model's own tree is unchanged
+    holder.layers = torch.nn.ModuleList(layers)
+    moved = swap_blocks(holder, ("layers",), len(layers), compute_dtype)
+    model.loraflow_block_swap = holder.loraflow_block_swap
+    return moved
+
+
 def swap_blocks(denoiser: torch.nn.Module, lists: tuple[str, ...], n: int, compute_dtype: torch.dtype) -> int:
     """Moves the frozen Linear/Conv weights of the last `n` blocks to the host; returns the bytes moved. The blocks'
     `BlockSwap` is kept on the denoiser (`denoiser.loraflow_block_swap`)."""
@@ -57,7 +75,8 @@ def swap_blocks(denoiser: torch.nn.Module, lists: tuple[str, ...], n: int, compu
                 registry.register_hook(hook, HOOK_NAME)
             weight = module.weight.data if type(module.weight) is torch.nn.Parameter else module.weight
             layers.append((hook, weight.to("cpu")))
-            module.weight = torch.nn.Parameter(torch.empty(0, dtype=compute_dtype, device=weight.device),
+            # the placeholder in the dtype the layer computes in: callers read it (T5 casts its input to wo's)
+            module.weight = torch.nn.Parameter(torch.empty(0, dtype=hook.compute_dtype, device=weight.device),
                                                requires_grad=False)
         moved += swap.add_block([host for _, host in layers], [hook for hook, _ in layers])
     denoiser.loraflow_block_swap = swap
@@ -154,7 +173,8 @@ class BlockSwap:
         """One copy of the block's buffer, its weights views of it; other tensors one by one."""
         buffer = self.buffers[block]
         moved = buffer.to(device, non_blocking=True, copy=True) if buffer is not None else None
-        return [h.to(device, non_blocking=True, copy=True) if spot is None else _view(moved, *spot)
+        # a torchao tensor moves by its own .to (NF4Tensor's refuses `copy`: a transfer to another device copies)
+        return [h.to(device, non_blocking=True) if spot is None else _view(moved, *spot)
                 for h, spot in zip(self.hosts[block], self.layouts[block])]
 
     def _wait(self, block: int, device: torch.device) -> None:

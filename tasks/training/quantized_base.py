@@ -102,4 +102,6 @@ def text_loading(text_cfg):
     """text.quantize / text.offload as tasks/models/loading/text_load.py takes them, with these functions."""
     from tasks.models.loading.text_load import TextLoading
 
-    return TextLoading(text_cfg.quantize, bool(text_cfg.offload), store_text_weight, hook_stored)
+    from tasks.training.block_swap import swap_every_layer
+
+    return TextLoading(text_cfg.quantize, bool(text_cfg.offload), store_text_weight, hook_stored, swap_every_layer)

@@ -3,8 +3,10 @@ stored them (`model.quantize` / `model.storage_dtype`: the train node's loading 
 layers and skip patterns), the LoRA file loaded by the family's own loader onto the compute-dtype placeholders,
 then the stored weights attached and fp8_base's / quantized_base's hooks registered, in the order
 train_setup.prepare_denoiser applies them: the LoRA's layers never pass through the stored type. With
-`sample.offload` the denoisers' weights wait on the host and diffusers' group offloading brings each block to the
-device when it runs (the next prefetched on a CUDA stream). The text encoders are never loaded (cached prompts).
+`sample.offload` every block's weights are read straight to the host and swapped in per use, the next block
+prefetched on a side stream: the train node's block swap (block_swap.py) with all blocks, which carries torchao's
+NF4 tensors (diffusers' group offloading does not: it moves a non-TorchAOBaseTensor subclass's wrapper only).
+The text encoders are never loaded (cached prompts).
 
 Without either setting the family's load_sampler runs as before (from_pretrained in model.dtype)."""
 from __future__ import annotations
@@ -34,24 +36,35 @@ def load_stored_sampler(adapter, cfg: Config, lora_file: Path | None, **kwargs):
     skip = layerwise_skip_patterns(adapter.denoiser_cls, cfg.model.storage_modulation) if stored else ()
     matmul = w8a8.resolve(cfg.model)
     # DoRA's magnitude reads the base weight when its layer is made: the base loads whole, stored afterwards
-    plan = None if stored and cfg.train.network == "dora" else \
-        WeightLoading(stored or None, skip, "cpu" if offload else str(adapter.device), matmul)
+    plan = None if stored and cfg.train.network == "dora" else WeightLoading(stored or None, skip, str(adapter.device), matmul)
+    if plan is not None and offload:  # every block's weights read straight to the host
+        plan.swapped = {sub: _block_prefixes(adapter, sub) for sub in adapter.sample_denoisers()}
     parts = {sub: load_planned(adapter, plan, lambda sub=sub, cls=cls: adapter.pretrained_denoiser(cls, sub))
              for sub, cls in adapter.sample_denoisers().items()}
-    adapter.sampler_parts, adapter.sampler_on_host = parts, offload
+    adapter.sampler_parts = parts
     try:
-        pipe = adapter.load_sampler(lora_file, **kwargs)
+        pipe = adapter.load_sampler(lora_file, **kwargs)  # places the pipeline: swapped weights stay on the host
     finally:
-        adapter.sampler_parts, adapter.sampler_on_host = {}, False
+        adapter.sampler_parts = {}
     torch.nn.ModuleList(parts.values()).requires_grad_(False)
     if plan is not None:
         plan.attach(torch.nn.ModuleList(parts.values()))
     for part in parts.values():
         store_like_training(part, stored, adapter.dtype, skip, matmul)
         if offload:
-            part.enable_group_offload(adapter.device, offload_device=torch.device("cpu"), offload_type="block_level",
-                                      num_blocks_per_group=1, use_stream=adapter.device.type == "cuda")
+            from tasks.training.block_swap import blocks, swap_blocks
+
+            swap_blocks(part, adapter.swap_blocks, len(blocks(part, adapter.swap_blocks)), adapter.dtype)
+            part.to(adapter.device)  # what is not swapped (embedders, final layers); no-op where placed
     return pipe
+
+
+def _block_prefixes(adapter, subfolder: str) -> tuple[str, ...]:
+    from tasks.models.loading.stream_load import folder_entries
+    from tasks.training.memory import block_order
+
+    shapes = {k: e.shape for k, e in folder_entries(adapter.model_dir / subfolder).items()}
+    return tuple(f"{name}.{i}." for name, i in block_order(shapes, adapter.swap_blocks))
 
 
 def store_like_training(part, stored: str | None, dtype, skip: tuple, matmul: str) -> None:

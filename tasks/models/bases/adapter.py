@@ -322,9 +322,8 @@ class FamilyAdapter(ABC):
         return denoiser
 
     # The sample node's denoisers, streamed and stored as training stored them (tasks/training/stored_sampler.py):
-    # {subfolder: model}, handed to the pipeline by live(); on_host: their blocks wait on the host (sample.offload)
+    # {subfolder: model}, handed to the pipeline by live()
     sampler_parts: dict = {}
-    sampler_on_host = False
 
     def sample_denoisers(self) -> dict[str, type]:
         """{subfolder: class} of every denoiser the family's pipeline runs (Wan 2.2: both experts, whichever trains)."""
@@ -336,16 +335,9 @@ class FamilyAdapter(ABC):
         return dict(self.sampler_parts) if denoiser is None else {self.denoiser_subfolder: denoiser}
 
     def place(self, pipe, denoiser):
-        # A pipeline around the training model stays on its device; otherwise the sampling device, but for
-        # denoisers group-offloaded from the host (sample.offload), which bring each block in when it runs
-        if denoiser is not None:
-            return pipe.to(denoiser.device)
-        if self.sampler_on_host:
-            for name, part in pipe.components.items():
-                if isinstance(part, torch.nn.Module) and name not in self.sampler_parts:
-                    part.to(self.device)
-            return pipe
-        return pipe.to(self.device)
+        # A pipeline around the training model stays on its device; otherwise the sampling device (a swapped
+        # block's weights stay on the host with their hooks: sample.offload)
+        return pipe.to(self.device if denoiser is None else denoiser.device)
 
     @abstractmethod
     def sample(self, pipe, prompt: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,

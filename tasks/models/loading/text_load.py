@@ -1,8 +1,10 @@
 """Loading a text encoder (a transformers model) at the card's size (issue 61): built on the meta device, then
 read one tensor at a time from the folder's safetensors files (stream_load's reader: no mapping of the file, no
 bf16 copy of the model in host memory), each Linear weight stored as `text.quantize` says the moment it is read,
-and put on the device. `text.offload`: the stored weights wait on the host and each block is copied to the
-device when it runs (diffusers' group offloading, the next block prefetched on a CUDA stream).
+and put on the device. `text.offload`: the layers' stored weights wait on the host and each layer is copied to
+the device when it runs, the next one prefetched on a side stream: the train node's block swap
+(tasks/training/block_swap.py), which carries torchao's NF4 tensors; diffusers' group offloading moves only
+the wrapper of a tensor subclass that is not torchao's TorchAOBaseTensor, as NF4Tensor is not.
 
 The stored forms are the denoiser's (tasks/training/quantized_base.py, fp8_base.py): fp8 (plain cast), torchao's
 Int8Tensor per row, torchao's NF4; each Linear dequantized to `model.dtype` for its matmul by fp8_base's hook.
@@ -39,6 +41,7 @@ class TextLoading:
     offload: bool = False
     store: Callable | None = None
     hook: Callable | None = None
+    swap: Callable | None = None  # swap(model, dtype): its layers' weights held on the host, copied in per use
 
 
 def _renamer(model):
@@ -129,6 +132,19 @@ def load_text_model(cls, folder: Path, dtype, loading: TextLoading = TextLoading
     return _placed(model, loading, device, dtype, moved=True)
 
 
+def _placed(model, loading: TextLoading, device: str, dtype, moved: bool = False):
+    """On the device, with its layers swapped in from the host (text.offload); from_pretrained's model stored now."""
+    if not moved and loading.quantize != "none":
+        raise ConfigError(f"text.quantize={loading.quantize}: {type(model).__name__}'s checkpoint needs "
+                          "transformers' converters, which the streamed loader does not run; use text.quantize=none")
+    model.eval().requires_grad_(False)
+    if loading.offload:
+        if loading.swap is None:
+            raise ValueError("TextLoading with offload needs its swap")  # a bug, not a user error
+        loading.swap(model, dtype)
+    return model.to(device)  # what is not swapped; a swapped weight stays with its hook on the host
+
+
 def _check(model, own: dict, have: set, folder: Path) -> None:
     """Refuses missing or reshaped weights (a checkpoint of another encoder); tied weights may be absent."""
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
@@ -136,19 +152,3 @@ def _check(model, own: dict, have: set, folder: Path) -> None:
     if missing:
         raise ConfigError(f"{folder}: the checkpoint lacks {len(missing)} weights of {type(model).__name__} as its "
                           f"config.json describes (e.g. {', '.join(missing[:3])}); is it this family's text encoder?")
-
-
-def _placed(model, loading: TextLoading, device: str, dtype, moved: bool = False):
-    """On the device, or its blocks group-offloaded there (text.offload); from_pretrained's model stored now."""
-    if not moved and loading.quantize != "none":
-        raise ConfigError(f"text.quantize={loading.quantize}: {type(model).__name__}'s checkpoint needs "
-                          "transformers' converters, which the streamed loader does not run; use text.quantize=none")
-    model.eval()
-    if loading.offload:
-        from diffusers.hooks import apply_group_offloading
-
-        cuda = str(device).startswith("cuda")
-        apply_group_offloading(model, onload_device=torch.device(device), offload_device=torch.device("cpu"),
-                               offload_type="block_level", num_blocks_per_group=1, use_stream=cuda)
-        return model
-    return model.to(device)
