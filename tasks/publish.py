@@ -15,7 +15,7 @@ from tasks.config import Config
 from tasks.lazy import lazy
 from tasks.models.lora_variants import lycoris
 from tasks.plan import Plan
-from tasks.sample import make_grid, slug
+from tasks.sample import grid_labels, make_grid, slug
 from tasks.store import Store
 from tasks.store.hashing import key_of
 from tasks.training import export, export_comfyui, export_lycoris
@@ -151,7 +151,8 @@ def publish(cfg: Config, plan: Plan, store: Store, run_dir: Path, lora: dict, sa
         dst = out / f"{p['line']:03d}_{slug(p['prompt'])}{Path(src).suffix}"  # .png, or a video family's .mp4
         shutil.copyfile(src, dst)
         paths.append(str(dst))
-    grid = str(make_grid([Path(p) for p in paths], out / "grid.png")) if paths and cfg.sample.grid else None
+    grid = str(make_grid([Path(p) for p in paths], out / "grid.png", labels=grid_labels(cfg, plan))) \
+        if paths and cfg.sample.grid else None
     main = files.get("lycoris") or files.get("diffusers") or files.get("kohya") or files["comfyui"]
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
             "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}

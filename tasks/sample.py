@@ -100,15 +100,50 @@ def preview(path) -> Image.Image:
         return image.convert("RGB")
 
 
-def make_grid(images: list[Path], out: Path, columns: int = 4) -> Path:
-    """The samples side by side (a video's first frame): a quick look at a run."""
+GRID_CELL = 192  # px: a grid cell's least width, so its label is readable under tiny samples (upscaled, unsmoothed)
+LABEL_LINES = 2  # a cell's label: the prompt (cut to fit), then its seed and size
+
+
+def fit(draw, text: str, width: int) -> str:
+    """`text` cut (with an ellipsis) to `width` px in the draw's font."""
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def make_grid(images: list[Path], out: Path, columns: int = 4, labels: list[list[str]] | None = None) -> Path:
+    """The samples side by side (a video's first frame): a quick look at a run. `labels`: per sample, the lines
+    written above it (its prompt, its seed), each cut to the cell's width. Written under a temporary name."""
+    from PIL import ImageDraw
+
     tiles = [preview(p) for p in images]
     w, h = max(t.width for t in tiles), max(t.height for t in tiles)
+    scale = max(1, -(-GRID_CELL // w)) if labels else 1
+    w, h = w * scale, h * scale
+    head = 4 + 12 * LABEL_LINES if labels else 0
     cols = min(columns, len(tiles))
-    grid = Image.new("RGB", (cols * w, ((len(tiles) + cols - 1) // cols) * h), "white")
+    grid = Image.new("RGB", (cols * w, ((len(tiles) + cols - 1) // cols) * (h + head)), "white")
+    draw = ImageDraw.Draw(grid)
     for i, t in enumerate(tiles):
-        grid.paste(t, ((i % cols) * w, (i // cols) * h))
-    grid.save(out)
+        x, y = (i % cols) * w, (i // cols) * (h + head)
+        for j, line in enumerate((labels[i] if labels else [])[:LABEL_LINES]):
+            draw.text((x + 3, y + 2 + 12 * j), fit(draw, line, w - 6), fill="black")
+        grid.paste(t.resize((t.width * scale, t.height * scale), Image.NEAREST), (x, y + head))
+    tmp = out.with_name(f".{out.name}.tmp")
+    grid.save(tmp, format="PNG")
+    tmp.replace(out)
+    return out
+
+
+def grid_labels(cfg: Config, plan: Plan) -> list[list[str]]:
+    """Each prompt's label in the grid: its text (the negative after `--n`), then its seed and size."""
+    out = []
+    for p in plan.prompts:
+        s = settings(cfg, plan, p)
+        text = p["prompt"] + (f" --n {p['negative']}" if p["negative"] else "")
+        out.append([text, f"seed {s['seed']}, {s['width']}x{s['height']}, {s['steps']} steps"])
     return out
 
 
