@@ -1,16 +1,20 @@
 """Node cache_latents: one VAE-encoded latent per image, keyed by image bytes, VAE identity and preprocessing."""
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import re
+from pathlib import Path
 
 from tasks.config import Config, ConfigError
-from tasks.data import clips, controls, masks, video
+from tasks.data import clips, controls, masks, vae_tiling, video
 from tasks.data.images import image_to_tensor_and_geometry, read_image
 from tasks.items import BackgroundWrites, check_items, chunks, load_once, node_result, prefetch, progress
 from tasks.lazy import lazy
 from tasks.models import adapter_class, make_adapter
 from tasks.plan import Plan
-from tasks.runtime import runtime
+from tasks.runtime import cuda_available, runtime
 from tasks.store import Store
 from tasks.store.hashing import key_of
 
@@ -32,14 +36,17 @@ def params(cfg: Config, plan: Plan) -> dict:
             **({"family_version": version} if version else {}), **settings, **runtime()}
 
 
-def _item_key(p: dict, plan: Plan, it: dict, image_digest: str) -> str:
+def _item_key(p: dict, plan: Plan, it: dict, image_digest: str, tiling: dict | None = None) -> str:
     # A bucketed item carries its own size; the key has the size it is encoded at either way. A flipped
     # twin (data.flip_aug) is the same bytes mirrored: "flip" in its key only, so other keys stay.
+    size = encode_size(plan, it) if tiling else None
+    tiled = {"vae_tiling": tiling[size]} if size in (tiling or {}) else {}  # named only where it tiled
     flip = {"flip": "horizontal"} if "flip_of" in it else {}
     resize = {"resize_to": it["resize_to"]} if "resize_to" in it else {}  # a control at its family's size
     clip = {"clip": it["clip"]} if "clip" in it else {}  # a video clip: the frames taken and their rate
     cond = {"condition": it["condition"]} if "condition" in it else {}  # image-to-video: where from, for how long
-    return key_of({**p, "size": it.get("size", plan.size), "image": image_digest, **flip, **resize, **clip, **cond})
+    return key_of({**p, "size": it.get("size", plan.size), "image": image_digest, **flip, **resize, **clip, **cond,
+                   **tiled})
 
 
 MASK = masks.PREFIX  # an item's loss mask (data.mask_dir / alpha_mask), stored in this node's kind
@@ -70,17 +77,66 @@ def latent_items(plan: Plan) -> list[dict]:
     return out
 
 
+def encode_size(plan: Plan, it: dict) -> str:
+    """The size an item is encoded at, as tiling is decided and reported: "64x48", a clip's "64x48x17"."""
+    w, h = it.get("resize_to", it.get("size", plan.size))
+    frames = it["clip"]["frames"] if "clip" in it else it["condition"]["frames"] if "condition" in it else 1
+    return f"{w}x{h}" + (f"x{frames}" if frames > 1 else "")
+
+
+@functools.cache
+def _card_gb() -> tuple[float, str]:
+    """The device's whole memory: CUDA's, else the host's RAM. Its size, not what is free now: a latent's key
+    follows the decision, and the keys are made again by every process of a run (the flow, its shard workers,
+    flows.explain), so a decision that moved with free memory would re-encode (and retrain) on a no-op."""
+    if cuda_available():
+        total = torch.cuda.mem_get_info()[1]
+        return total / vae_tiling.GB, f"the memory of {torch.cuda.get_device_name()}"
+    meminfo = Path("/proc/meminfo")
+    m = re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text()) if meminfo.exists() else None
+    return (int(m.group(1)) * 1024 / vae_tiling.GB, "the host's RAM") if m else (float("inf"), "no known limit")
+
+
+def tiling_plan(cfg: Config, plan: Plan, p: dict | None = None) -> dict[str, dict]:
+    """Per encode size: {"tiled": bool, "key": what a tiled latent's key says (the adapter's tiling settings, or
+    true)} and, for data.vae_tiling=auto, the untiled encode's estimate and the budget it was held to (GiB):
+    train.memory_limit_gb, else the device's memory. Decided once per size for every item of it."""
+    settings = adapter_class(plan.family).vae_tiling
+    sizes = {encode_size(plan, it): it for it in latent_items(plan)}
+    out = {s: {"tiled": cfg.data.vae_tiling == "tiled", "key": dict(settings) or True} for s in sizes}
+    if cfg.data.vae_tiling != "auto" or not sizes:
+        return out
+    path = Path(plan.model_dir) / "vae" / "config.json"
+    config = {**(json.loads(path.read_text()) if path.is_file() else {}), **settings}
+    dtype = (p or params(cfg, plan)).get("vae_dtype", cfg.model.dtype)  # an upcast VAE computes in float32
+    budget, source = (cfg.train.memory_limit_gb, "train.memory_limit_gb") if cfg.train.memory_limit_gb else _card_gb()
+    for s, it in sizes.items():
+        w, h = it.get("resize_to", it.get("size", plan.size))
+        frames = int(s.split("x")[2]) if s.count("x") == 2 else 1
+        need = vae_tiling.encode_peak_gb(config, w, h, frames, dtype, tiled=False)
+        out[s].update(tiled=need > budget, untiled_gb=round(need, 2), budget_gb=round(budget, 2), budget=source)
+    return out
+
+
+def _tiling_keys(tiling: dict[str, dict]) -> dict:
+    """{size: its key's tiling} for the tiled sizes only: untiled latents keep the keys they always had."""
+    return {s: t["key"] for s, t in tiling.items() if t["tiled"]}
+
+
 def item_keys(cfg: Config, plan: Plan) -> dict[str, str]:
     """{item name: its latent's key} (control images too), and {"mask:<name>": its mask's key} for the items
     with a loss mask."""
     p = params(cfg, plan)
-    return {**{it["name"]: _item_key(p, plan, it, it["image_digest"]) for it in latent_items(plan)},
+    tiling = _tiling_keys(tiling_plan(cfg, plan, p))
+    return {**{it["name"]: _item_key(p, plan, it, it["image_digest"], tiling) for it in latent_items(plan)},
             **{MASK + it["name"]: _mask_key(plan, it) for it in plan.items if "mask" in it}}
 
 
 def inputs(cfg: Config, plan: Plan) -> dict:
-    items = latent_items(plan)
-    return {**params(cfg, plan), **{f"image:{it['name']}": it["image_digest"] for it in items},
+    items, p = latent_items(plan), params(cfg, plan)
+    tiling = _tiling_keys(tiling_plan(cfg, plan, p))
+    return {**p, **({"vae_tiling": tiling} if tiling else {}),
+            **{f"image:{it['name']}": it["image_digest"] for it in items},
             **{f"size:{it['name']}": it["size"] for it in items if "size" in it},
             **{f"flip:{it['name']}": "horizontal" for it in items if "flip_of" in it},
             **{f"clip:{it['name']}": it["clip"] for it in items if "clip" in it},
@@ -164,7 +220,7 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
         models: dict | None = None) -> dict:
     """`only`: compute just these item keys (a shard of the node's missing items, flows/shards.py);
     `models`: a worker process's memo of loaded models (tasks/items.py: load_once)."""
-    keys = item_keys(cfg, plan)
+    keys, tiling = item_keys(cfg, plan), tiling_plan(cfg, plan)
     status = check_items(store, KIND, [k for k in keys.values() if only is None or k in only])
     missing = set(status.missing)  # once: per item it made the node quadratic (minutes at 100,000)
     mask_todo = [it for it in plan.items if MASK + it["name"] in keys and keys[MASK + it["name"]] in missing]
@@ -177,7 +233,11 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
         todo = list({keys[it["name"]]: it for it in todo}.values())  # identical images are encoded once
         adapter = make_adapter(cfg.model, plan.model_dir)
         vae = load_once(models, (KIND, key_of(plan.ids), cfg.model.dtype), adapter.load_vae)
-        batches = batches_of(todo, batch_size)
+        tiled = lambda it: tiling[encode_size(plan, it)]["tiled"]  # noqa: E731
+        log.info("cache_latents: VAE tiling (data.vae_tiling=%s): %s", cfg.data.vae_tiling, _describe(tiling))
+        # a batch's items share one tiling (the VAE is switched per batch)
+        batches = [b for batch in batches_of(todo, batch_size) for b in ([i for i in batch if not tiled(i)],
+                                                                        [i for i in batch if tiled(i)]) if b]
         pixels_of = lambda batch: _pixels(batch, plan.size)  # noqa: E731
         # With CUDA the next batch is decoded while the GPU encodes this one; on the CPU a decode thread would
         # only take cores from the VAE (measured: 0.87x of a bare loop with it on 2 cores).
@@ -185,6 +245,7 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
         not_finite, edited, p = [], [], params(cfg, plan)
         with BackgroundWrites() as writes:  # an item is written while the next one is encoded
             for batch, (pixels, geometry, digests) in progress(zip(batches, loaded), "cache_latents", len(batches)):
+                vae_tiling.apply(vae, tiled(batch[0]), adapter.vae_tiling)
                 if "condition" in batch[0]:  # image-to-video: the clip's condition (tasks/data/first_frame.py)
                     encoder = load_once(models, (KIND, "condition", key_of(plan.ids), cfg.model.dtype),
                                         adapter.load_condition_encoder)
@@ -200,7 +261,7 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
                     key = keys[it["name"]]
                     if digest != it["image_digest"]:  # edited since validate: stored under its new bytes' key
                         edited.append(it["name"])
-                        key = _item_key(p, plan, it, digest)
+                        key = _item_key(p, plan, it, digest, _tiling_keys(tiling))
                     extra = geom if adapter.size_conditioning else {}
                     if adapter.clips:  # the frame rate the latent was taken at (LTX-2's RoPE reads it in training)
                         extra = {"fps": torch.tensor(float(it["clip"]["fps"] if "clip" in it else adapter.clips.default_fps))}
@@ -216,7 +277,17 @@ def run(cfg: Config, plan: Plan, store: Store, batch_size: int = 1, only: set[st
             raise ConfigError(f"cache_latents: the VAE gave non-finite latents (NaN/inf) for {len(not_finite)} "
                               f"image(s), not stored: {', '.join(sorted(not_finite))}. Encode in float32: "
                               "model.dtype=float32, or a VAE whose config has force_upcast=true")
-    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan))
+    used = {s: True for s, t in tiling.items() if t["tiled"]}  # reported where it tiled: {"1024x1024": true}
+    return node_result(key_of(inputs(cfg, plan)), keys, status, inputs(cfg, plan),
+                       **({"vae_tiling": used} if used else {}))
+
+
+def _describe(tiling: dict[str, dict]) -> str:
+    """One log line: each size tiled or not, with auto's estimate against its budget."""
+    def one(size: str, t: dict) -> str:
+        why = f" (untiled ~{t['untiled_gb']} GiB vs {t['budget_gb']} GiB, {t['budget']})" if "untiled_gb" in t else ""
+        return f"{size} {'tiled' if t['tiled'] else 'untiled'}{why}"
+    return ", ".join(one(s, t) for s, t in tiling.items()) or "nothing to encode"
 
 
 def key_of_node(cfg: Config, plan: Plan) -> str:

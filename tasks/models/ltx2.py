@@ -91,6 +91,8 @@ class LTX2Adapter(TransformerAdapter):
     # (the pipeline's frame_rate default); min_side: the decoder pads by reflection, so a side needs two latent cells
     clips = Clips(frame_step=8, default_fps=24.0, min_side=64)
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
+    # data.vae_tiling: time tiled too (16-frame tiles); diffusers 0.42.1's _encode reads the decoding flag for it
+    vae_tiling = {"use_framewise_encoding": True, "use_framewise_decoding": True}
     size_multiple = 32  # VAE /32 (vae_spatial_compression_ratio), 1x1 patches
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     pipeline_cls = LazyClass("diffusers", "LTX2Pipeline")

@@ -96,7 +96,7 @@ class WanAdapter(TransformerAdapter):
 
     def sample_denoisers(self):
         # Wan 2.2 A14B samples with both experts, whichever one a run trains
-        return {f: self.denoiser_cls for f in ("transformer", "transformer_2") if (self.model_dir / f).is_dir()}
+        return tuple(f for f in ("transformer", "transformer_2") if (self.model_dir / f).is_dir())
 
     @no_grad
     def encode_text(self, pipe, texts):

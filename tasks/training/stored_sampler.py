@@ -39,8 +39,8 @@ def load_stored_sampler(adapter, cfg: Config, lora_file: Path | None, **kwargs):
     plan = None if stored and cfg.train.network == "dora" else WeightLoading(stored or None, skip, str(adapter.device), matmul)
     if plan is not None and offload:  # every block's weights read straight to the host
         plan.swapped = {sub: _block_prefixes(adapter, sub) for sub in adapter.sample_denoisers()}
-    parts = {sub: load_planned(adapter, plan, lambda sub=sub, cls=cls: adapter.pretrained_denoiser(cls, sub))
-             for sub, cls in adapter.sample_denoisers().items()}
+    parts = {sub: load_planned(adapter, plan, lambda sub=sub: adapter.pretrained_denoiser(adapter.denoiser_cls, sub))
+             for sub in adapter.sample_denoisers()}
     adapter.sampler_parts = parts
     try:
         pipe = adapter.load_sampler(lora_file, **kwargs)  # places the pipeline: swapped weights stay on the host

@@ -282,6 +282,9 @@ class FamilyAdapter(ABC):
     # () = none to swap (the UNets: the setting is refused)
     swap_blocks: tuple[str, ...] = ()
     clips: Clips | None = None  # a video family's clips; None: an image family
+    # data.vae_tiling: attributes set on the VAE after diffusers' enable_tiling (tile sizes, temporal tiling flags);
+    # {}: diffusers' defaults. In a tiled latent's key (tasks/data/vae_tiling.py)
+    vae_tiling: dict = {}
 
     @classmethod
     def control_size(cls, width: int, height: int) -> tuple[int, int]:
@@ -325,9 +328,10 @@ class FamilyAdapter(ABC):
     # {subfolder: model}, handed to the pipeline by live()
     sampler_parts: dict = {}
 
-    def sample_denoisers(self) -> dict[str, type]:
-        """{subfolder: class} of every denoiser the family's pipeline runs (Wan 2.2: both experts, whichever trains)."""
-        return {self.denoiser_subfolder: self.denoiser_cls}
+    def sample_denoisers(self) -> tuple[str, ...]:
+        """The subfolders of every denoiser the family's pipeline runs (Wan 2.2: both experts, whichever trains),
+        each of class denoiser_cls (named, not read: the preflight imports no torch)."""
+        return (self.denoiser_subfolder,)
 
     def live(self, denoiser) -> dict:
         """from_pretrained kwargs that plug the model being trained into a pipeline, or the sample node's stored
