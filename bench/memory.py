@@ -2,6 +2,7 @@
 
     python -m bench.memory [--out bench/memory.json] [--rank 16] [--only bf16,fp8+ckpt]
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]   # Qwen-Image, FLUX.2 [dev], FLUX.1-dev rows
+    python -m bench.memory --nodes [--only flux2_dev:cache_text:nf4,...]  # cache_text, sample, cache_latents rows
 
 Weights: the exact bytes of the model the train node prepares (bench/gpu.py `build`, i.e.
 tasks.training.train_setup.prepare_denoiser: peft LoRA on the Flux adapter's default targets, fp32 LoRA, the fp8 base of
@@ -157,11 +158,19 @@ def main(argv=None) -> int:
                     ", ".join(c[0] for c in CONFIGS))
     ap.add_argument("--families", action="store_true", help="the big bases' rows <model>:<options> "
                     "(bench/memory_families.py: quantized bases, block swap), merged into --out")
+    ap.add_argument("--nodes", action="store_true", help="the other nodes' rows <model>:<node>:<options> and the "
+                    "whole run's card table (bench/memory_nodes.py), merged into --out")
     args = ap.parse_args(argv)
+    if args.nodes:
+        from bench import memory_nodes
+
+        return memory_nodes.main(Path(args.out), None if args.only == ap.get_default("only") else args.only)
     if args.families:
         from bench import memory_families
 
-        return memory_families.main(Path(args.out), None if args.only == ap.get_default("only") else args.only)
+        from bench.memory_nodes import cards
+
+        return memory_families.main(Path(args.out), None if args.only == ap.get_default("only") else args.only, cards)
     wanted = set(args.only.split(","))
     t0 = time.perf_counter()
     rows = []
@@ -191,7 +200,8 @@ def main(argv=None) -> int:
     if Path(args.out).exists():  # the families' rows (and their card table) are kept: `--families` merges them
         old = json.loads(Path(args.out).read_text())
         doc["configs"] = rows + [r for r in old.get("configs", []) if ":" in r["name"]]
-        doc.update({k: old[k] for k in ("family_goals", "cards", "families_seconds") if k in old})
+        doc.update({k: old[k] for k in ("family_goals", "cards", "train_cards", "run_cards", "run_goals",
+                                        "families_seconds", "nodes_seconds") if k in old})
     Path(args.out).write_text(json.dumps(doc, indent=1, default=list))
     print("\n" + table(rows) + f"\n\nwrote {args.out} in {doc['total_seconds']:.0f} s")
     return 0 if check is None or check["all_equal"] else 1

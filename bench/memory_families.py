@@ -219,27 +219,30 @@ def table(rows_: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(out: Path, only: str | None) -> int:
+def main(out: Path, only: str | None, run_cards=None) -> int:
     """The rows (all, or `only`'s with a colon) merged by name into `out`'s configs; goals per model."""
     import tempfile
 
-    names = [n for n in only.split(",") if ":" in n] if only else list(ROWS)
+    names = [n for n in only.split(",") if n.count(":") == 1] if only else list(ROWS)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         new = rows(names, Path(tmp))
     doc = json.loads(out.read_text()) if out.exists() else {"configs": []}
     kept = [{"host_gib": 0.0, **r} for r in doc.get("configs", []) if r["name"] not in {n["name"] for n in new}]
     doc["configs"] = kept + new
-    every = [r for r in doc["configs"] if ":" in r["name"]]
+    every = [r for r in doc["configs"] if r["name"].count(":") == 1]  # the train rows (node rows: two colons)
     doc["family_goals"] = {m: {"limit_gib": g, "best": min((r for r in every if r["name"].startswith(m + ":")),
                                                            key=lambda r: r["measured_gib"], default={}).get("name"),
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}
                            for m, g in GOALS.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        doc["cards"] = {key: {str(c): advice(m, Path(tmp), c, copies=n) for c in CARDS} for key, m, n in CARD_ROWS}
+        # train's own setting per card (advice), and the whole run's (bench/memory_nodes.py: `cards`, issue 61)
+        doc["train_cards"] = {key: {str(c): advice(m, Path(tmp), c, copies=n) for c in CARDS} for key, m, n in CARD_ROWS}
+        if run_cards is not None:  # bench/memory.py hands bench/memory_nodes.py's (which imports this module)
+            doc["cards"], doc["run_cards"] = run_cards(Path(tmp))
     doc["families_seconds"] = time.perf_counter() - t0
     out.write_text(json.dumps(doc, indent=1, default=list))
-    cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["cards"].items())
+    cards = "\n".join(f"| {m} | " + " | ".join(a.values()) + " |" for m, a in doc["train_cards"].items())
     head = "| model | " + " | ".join(f"{c} GB" for c in CARDS) + " |\n" + "|---" * (len(CARDS) + 1) + "|\n"
     print("\n" + table(every) + "\n\n" + head + cards + f"\n\nwrote {out} in {doc['families_seconds']:.0f} s")
     return 0

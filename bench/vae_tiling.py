@@ -225,7 +225,7 @@ def tiny_rows() -> list[dict]:
     rows = []
     for family, (frames, tiles) in TINY.items():
         out = Path(tempfile.mkdtemp(prefix="loraflow-bench-vae-")) / family
-        models._build_tiny(family, out, 0, {})  # noqa: SLF001 (the tests' builder)
+        models.build_tiny(family, out, 0, {})
         adapter = models.adapter_class(family)(out, "float32")
         vae = adapter.load_vae()
         settings = {**adapter.vae_tiling, **tiles}

@@ -18,8 +18,10 @@ from tasks.data.sizes import bucket_sizes, nearest_bucket, resolve_size
 from tasks.models import adapter_class, component_ids, make_adapter, resolve_model
 from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.plan import Plan
+from tasks.runtime import cuda_available
 from tasks.store import Store
 from tasks.store.hashing import digest_file, key_of
+from tasks import run_memory
 from tasks.training import host_memory, memory, validation_loss as validation
 # the config checks (re-exported: the CLI and the tests call validate.config_errors)
 from tasks.config_checks import check_config, check_sizes, config_errors  # noqa: F401
@@ -63,9 +65,15 @@ def run(cfg: Config, store: Store) -> dict:
     adapter = make_adapter(cfg.model, model_dir)
     estimate = memory.preflight(cfg, adapter, size)
     estimate.update(host_memory.preflight(cfg, adapter, size, estimate))  # RAM: swap, offload, loading (issue 43)
+    # every other node against the same budget (and the RAM, with a GPU), before any node runs (issue 61)
+    run = run_memory.check(cfg, adapter, size, plan_prompts, estimate,
+                           memory.host_available_gb() if cuda_available() else None)
+    estimate.update(nodes=run["nodes"], run_peak_gb=run["peak_gb"], run_host_gb=run["host_gb"])
     budget = estimate["budget_gb"]  # rounded like the estimate (was printed with every float digit)
     log.info("validate: memory estimate %.2f GiB, budget %s GiB (%s)", estimate["total_gb"],
              f"{budget:.2f}" if isinstance(budget, (int, float)) else budget, estimate["budget_source"])
+    log.info("validate: the whole run's peak %.2f GiB (%s), host RAM %.2f GiB", run["peak_gb"],
+             ", ".join(f"{n} {e['device_gb']:.2f}" for n, e in run["nodes"].items()), run["host_gb"])
     plan_items, items, dataset = _plan_items(cfg, items, dataset, adapter_cls, size)
     if errs := controls.prompt_errors(plan_prompts, cfg, size, adapter_cls):
         raise ConfigError("\n".join(errs))

@@ -29,7 +29,7 @@ def _tiny_models_built_once() -> None:
     a copy is the bytes a build writes; the store keys and verifies it as any entry. Subprocesses build their own."""
     import tasks.models as models
 
-    build, built = models._build_tiny, {}
+    build, built = models.build_tiny, {}
     root = Path(tempfile.mkdtemp(prefix="loraflow-tiny-models-"))
 
     def once(family: str, out_dir, seed: int, arch: dict) -> None:
@@ -40,7 +40,7 @@ def _tiny_models_built_once() -> None:
             built[key] = first
         shutil.copytree(built[key], out_dir, dirs_exist_ok=True)
 
-    models._build_tiny = once
+    models.build_tiny = once
 
 
 _tiny_models_built_once()

@@ -40,14 +40,14 @@ def test_default_targets_are_the_blocks_only(adapter):
 
 
 def test_memory_estimate_counts_the_same_modules(adapter):
-    from tasks.training.memory import _lora_params, lora_targets
+    from tasks.training.memory import lora_params, lora_targets
 
     targets = lora_targets(TrainConfig(target_modules=None), adapter)
     model, _ = _lora_modules(adapter, targets)
     shapes = {n: list(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
     shapes = {n.replace(".base_layer", ""): s for n, s in shapes.items()}
     n_lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    assert _lora_params(shapes, targets, 4) == n_lora
+    assert lora_params(shapes, targets, 4) == n_lora
 
 
 def test_explicit_targets_keep_suffix_matching(adapter):

@@ -143,7 +143,7 @@ SMALL = {
 def test_each_vae_class_tiles_and_switches_back(family):
     frames, tiles = SMALL[family]
     out = Path(tempfile.mkdtemp(prefix="loraflow-test-vae-")) / family
-    models._build_tiny(family, out, 0, {})
+    models.build_tiny(family, out, 0, {})
     adapter = models.adapter_class(family)(out, "float32")
     vae = adapter.load_vae()
     g = torch.Generator().manual_seed(0)
@@ -183,7 +183,7 @@ def test_the_estimate_holds_on_the_tiny_vae():
     from bench.vae_tiling import encode
 
     out = Path(tempfile.mkdtemp(prefix="loraflow-test-vae-")) / "flux"
-    models._build_tiny("flux", out, 0, {})
+    models.build_tiny("flux", out, 0, {})
     vae = make_adapter(compose("train", ["model=tiny_flux"])[0].model, out).load_vae()
     x = torch.zeros(1, 3, 128, 128)
     _, peak = encode(vae, x, track=True)

@@ -62,7 +62,7 @@ def make_adapter(model_cfg: ModelConfig, model_dir: Path) -> FamilyAdapter:
     return adapter
 
 
-def _build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
+def build_tiny(family: str, out_dir: Path, seed: int, arch: dict) -> None:
     settle("diffusers")  # the model libraries, imported once with the collector paused (tasks/lazy.py)
     _load(FAMILIES[family][1])(out_dir, seed=seed, arch=arch or None)
 
@@ -76,7 +76,7 @@ def resolve_model(model_cfg: ModelConfig, store: Store) -> Path:
         family, seed, arch = model_cfg.family, int(model_cfg.seed), dict(model_cfg.arch or {})
         key = key_of({"tiny": family, "seed": seed, "arch": arch, "builder": TINY_BUILDER_VERSION})
         if not store.valid("models", key):
-            store.put("models", key, "", lambda p: _build_tiny(family, p, seed, arch), meta={"tiny": family})
+            store.put("models", key, "", lambda p: build_tiny(family, p, seed, arch), meta={"tiny": family})
         return store.get_path("models", key)
     if Path(path).expanduser().is_file():
         return _from_single_file(model_cfg, Path(path).expanduser(), store)

@@ -38,7 +38,7 @@ TRANSIENT_FACTOR = 13.0
 # model.matmul=bnb (nf4_kernel.py): bnb's dequantize_4bit writes the bf16 weight at once (2) from its fp32 block scales
 # (4 per 64), no int64 indices; derived from its kernels, not measured (bench.memory_peak sees no bnb op's inside)
 UPCAST_BYTES = {"float8_e4m3fn": 2.0, "float8_e5m2": 2.0, "int8": 7.0, "nf4": 14.05, "nf4+bnb": 2.07}
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def header_shapes(folder: Path) -> dict[str, list[int]]:
@@ -70,7 +70,7 @@ def lora_targets(tc: TrainConfig, adapter) -> list[str] | str:
     return list(tc.target_modules) if tc.target_modules else adapter.default_lora_targets()
 
 
-def _lora_params(shapes: dict[str, list[int]], targets: list[str] | str, rank: int) -> int:
+def lora_params(shapes: dict[str, list[int]], targets: list[str] | str, rank: int) -> int:
     """peft's matching: a module whose name is a target or ends with '.<target>', or, for one string, a
     module whose whole name matches it as a regex."""
     total = 0
@@ -111,7 +111,7 @@ def weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | 
                  skip_patterns: tuple[str, ...]) -> dict[str, float]:
     """stored_weight_bytes, per weight."""
     if not storage_dtype:
-        return {n: _numel(s) * _BYTES[dtype] for n, s in shapes.items()}
+        return {n: _numel(s) * DTYPE_BYTES[dtype] for n, s in shapes.items()}
     quantized = storage_dtype in ("int8", "nf4")  # Linears only (quantized_base.py): 2-dim weights
 
     def stored_low(name: str, shape) -> bool:
@@ -119,7 +119,7 @@ def weight_bytes(shapes: dict[str, list[int]], dtype: str, storage_dtype: str | 
             return False
         return not _skipped(name.rpartition(".")[0], tuple(skip_patterns))
 
-    return {n: stored_bytes(_numel(s), storage_dtype) if stored_low(n, s) else _numel(s) * _BYTES[dtype]
+    return {n: stored_bytes(_numel(s), storage_dtype) if stored_low(n, s) else _numel(s) * DTYPE_BYTES[dtype]
             for n, s in shapes.items()}
 
 
@@ -164,7 +164,7 @@ def stored_bytes(numel: int, storage: str) -> float:
         return float(numel)
     if storage == "nf4":
         return numel / 2 + numel / 64 + 4 * numel / (64 * 256)
-    return float(numel * _BYTES[storage])
+    return float(numel * DTYPE_BYTES[storage])
 
 
 def activation_factors(config: dict) -> tuple[float, float, float]:
@@ -237,17 +237,17 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     counts = [min(per_copy, max(0, swap - c * per_copy)) for c in range(copies)] if copies > 1 else [swap]
     swapped = [k for n in counts for k in swapped_weights(shapes, swap_lists, n)] if swap_lists else []
     host_bytes = sum(per_weight[k] for k in swapped)
-    in_flight = max((_numel(shapes[k]) * _BYTES[mc.dtype] for k in swapped), default=0)
+    in_flight = max((_numel(shapes[k]) * DTYPE_BYTES[mc.dtype] for k in swapped), default=0)
     held_bytes = round(copies * sum(per_weight.values()) - host_bytes + in_flight)
     params *= copies
-    lora = _lora_params(shapes, targets, tc.rank)
+    lora = lora_params(shapes, targets, tc.rank)
     # AdamW: two fp32 moments; 8-bit AdamW two bytes, 8-bit Lion one; Prodigy two moments, s and p0 (fp32);
     # Adafactor a row and a column per matrix (about nothing per parameter; one byte counted)
     optimizer_bytes_per_param = _OPTIMIZER_BYTES.get(tc.optimizer, 8)
     ema_bytes = 4 if tc.ema_decay is not None else 0  # train.ema_decay: an fp32 copy of the LoRA
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
     tokens, width, blocks = geometry(config, size, text_tokens, cfg.data.frames)
-    act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else _BYTES[mc.dtype]
+    act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else DTYPE_BYTES[mc.dtype]
     unit = tokens * width * act_dtype * tc.batch_size
     f = Factors(*(factors or activation_factors(config)))
     if tc.gradient_checkpointing and tc.gradient_checkpointing_offload:
@@ -261,7 +261,7 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     else:
         activations = blocks * f.per_block * unit
     largest = max((_numel(shapes[k]) for k, b in per_weight.items() if stored and k.endswith(".weight")
-                   and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * _BYTES[mc.dtype]), default=0)
+                   and len(shapes[k]) >= 2 and b < _numel(shapes[k]) * DTYPE_BYTES[mc.dtype]), default=0)
     upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored
     transient = max(f.in_flight * unit, UPCAST_BYTES.get(upcast, 0.0) * largest - lora * 4)
     total = held_bytes + lora_bytes + activations + transient
