@@ -125,7 +125,8 @@ def test_samples_are_mp4_with_a_grid_and_tensorboard_gets_them(clips):
     assert got["001_a_red_box_moving_right.mp4"].frames == 9 and got["002_a_green_box.mp4"].frames == 5  # --f 5
     assert got["002_a_green_box.mp4"].fps == 16 and (got["002_a_green_box.mp4"].width, got["002_a_green_box.mp4"].height) == (32, 32)
     grid = Image.open(art["grid"])
-    assert grid.size == (64, 32)  # the two first frames side by side
+    cell = 32 * -(-sample.GRID_CELL // 32)  # the two first frames side by side, enlarged under their labels
+    assert grid.size == (2 * cell, cell + 4 + 12 * sample.LABEL_LINES)
     assert [Path(p).suffix for p in art["checkpoint_samples"]["2"]] == [".mp4", ".mp4"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
