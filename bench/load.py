@@ -76,15 +76,7 @@ def write_model(name: str, root: Path) -> Path:
         model = cls(**arch)
     model.save_config(folder)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    shards, current, size = [], [], 0
-    for n, s in shapes.items():
-        nbytes = 2 * _numel(s)
-        if current and size + nbytes > SHARD:
-            shards.append(current)
-            current, size = [], 0
-        current.append(n)
-        size += nbytes
-    shards.append(current)
+    shards = _shards(shapes, SHARD)
     files = [f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     g = torch.Generator().manual_seed(0)
     for file, names in zip(files, shards):
@@ -124,15 +116,7 @@ def write_text_model(name: str, root: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config(TEXT[name]).save_pretrained(folder)
     shapes = _text_layout(TEXT[name])
-    shards, current, size = [], [], 0
-    for n, s in shapes.items():
-        nbytes = 2 * _numel(s)
-        if current and size + nbytes > TEXT_SHARD:
-            shards.append(current)
-            current, size = [], 0
-        current.append(n)
-        size += nbytes
-    shards.append(current)
+    shards = _shards(shapes, TEXT_SHARD)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for i, (file, names) in enumerate(zip(files, shards)):
         if (folder / file).exists():  # written whole by an interrupted run (a shard is renamed when complete)
@@ -173,6 +157,20 @@ def text_stored_estimate(name: str, kind: str) -> int:
         else:
             total += n // 2 + n // 64 + 4 * (n // (64 * 256)) if n % 64 == 0 else 2 * n
     return total
+
+
+def _shards(shapes: dict, limit: int) -> list[list[str]]:
+    """Tensor names in file order, cut into shards of at most `limit` bf16 bytes (a bigger tensor alone)."""
+    shards, current, size = [], [], 0
+    for n, s in shapes.items():
+        nbytes = 2 * _numel(s)
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(n)
+        size += nbytes
+    shards.append(current)
+    return shards
 
 
 def _numel(shape) -> int:
