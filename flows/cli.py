@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from flows import auth, console, engine_tweaks, prefect_api, sweep
+from flows import auth, console, engine_tweaks, prefect_api, run_names, sweep, sweep_parent
 from flows.errors import USER_ERRORS
 from flows.train import train_flow
 from tasks import validate
@@ -76,6 +76,13 @@ def _stop_unless_launcher_ready(overrides: list[str]) -> None:
         sys.exit(2)
 
 
+def _multirun() -> bool:
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args()
+    return bool(args.multirun) and not any((args.cfg, args.help, args.hydra_help, args.info, args.shell_completion))
+
+
 def _stop_unless_api_answers() -> None:
     from prefect.settings import get_current_settings
 
@@ -112,7 +119,8 @@ def main() -> None:
         try:
             if hc.mode == RunMode.MULTIRUN:  # a sweep member's bad config: no flow run (a single run's was checked)
                 check_config_only(hc.job.config_name, overrides)
-            out = train_flow(config_name=hc.job.config_name, overrides=overrides)
+            sweep_of = run_names.sweep_id(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+            out = train_flow(config_name=hc.job.config_name, overrides=overrides, sweep=sweep_of)
         except interrupt.Interrupted as e:  # Ctrl-C / SIGTERM: one line, exit 130 / 143
             console.exit_interrupted(e)
         except USER_ERRORS as e:  # bad data or config: the message names the file/key and the fix
@@ -134,7 +142,10 @@ def main() -> None:
         return sweep.objective(out["report"])  # what hydra/sweeper=optuna minimises
 
     sweep.seed_optuna(sys.argv)  # hydra/sweeper=optuna: a seeded sampler unless the command line seeds it
-    main()
+    if _multirun():  # one parent flow run, the members under it (flows/sweep_parent.py)
+        sweep_parent.run_sweep(main)
+    else:
+        main()
     if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)
         names = ", ".join(m["member"] for m in sweep.failed_members)
         print(f"loraflow: sweep: {len(sweep.failed_members)} member(s) failed ({names}); errors in "

@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.artifacts import sample_point_artifact
+from flows.artifacts import TrainingProgress, sample_point_artifact
 from tasks import cache_latents, cache_text, learning, sample, train, validate
 from tasks.config import Config, as_plain
 from tasks.plan import Plan
@@ -90,7 +90,8 @@ def train_task(key: str, cfg: Config, plan: str, latents: str, texts: str, run_d
     store = open_store(cfg.store)
     latent_keys, text_keys = load(store, RESULTS, latents)["items"], load(store, RESULTS, texts)["items"]
     return _kept(store, train.run(cfg, load_plan(store, plan), store, latent_keys, text_keys,
-                                run_dir and Path(run_dir), on_samples=[sample_point_artifact]))
+                                run_dir and Path(run_dir), on_samples=[sample_point_artifact],
+                                on_step=[TrainingProgress()]))
 
 
 @task(name="sample", **_cached)

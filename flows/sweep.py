@@ -166,8 +166,15 @@ def _rel(path: str | None, base: Path) -> str:
 def to_markdown(summary: dict) -> str:
     base = Path(summary["sweep_dir"])
     lines = [f"# Sweep summary: {base}", "",
-             f"Swept: {', '.join(summary['swept_keys']) or '(nothing)'}; {len(summary['members'])} member(s).", "",
-             "| member | overrides | final loss | validation loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
+             f"Swept: {', '.join(summary['swept_keys']) or '(nothing)'}; {len(summary['members'])} member(s).", ""]
+    if summary.get("compare"):
+        lines += ["Samples side by side (a row per prompt, a column per member):", "",
+                  f"![members' samples side by side]({_rel(summary['compare'], base)})", ""]
+    if summary.get("loss_chart"):
+        lines += ["Loss curves (each point the mean of a log window of train.log_every steps):", "",
+                  f"![members' loss curves]({_rel(summary['loss_chart'], base)})", ""]
+    lines += [
+             "| member | overrides | final loss (mean of the last log window) | validation loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
     for m in summary["members"]:
         shown = " ".join(f"`{o}`" for o in (m["swept"] or m["overrides"])) or "-"
@@ -195,6 +202,22 @@ def to_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pictures(sweep_dir: Path, members: list[dict], by_objective: bool) -> dict:
+    """compare.png and loss.png of the sweep (flows/sweep_pictures.py); never fatal."""
+    from flows import sweep_pictures
+
+    out = {}
+    for name, make in (("compare", sweep_pictures.compare_png), ("loss_chart", sweep_pictures.loss_png)):
+        try:
+            path = make(members, sweep_dir / ("compare.png" if name == "compare" else "loss.png"), by_objective)
+        except Exception as e:  # noqa: BLE001 -- the members' results stand without the picture
+            log.warning("sweep summary: %s not drawn (%s: %s)", name, type(e).__name__, e)
+            path = None
+        if path:
+            out[name] = str(path)
+    return out
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
@@ -213,6 +236,10 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.jobs, self.started = [], time.time()
+        with contextlib.suppress(Exception):  # the parent flow run (flows/cli.py) takes the sweep's name
+            from flows import sweep_parent
+
+            sweep_parent.name_parent(config)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:
@@ -247,11 +274,15 @@ class SweepSummary(Callback):
                        for j in jobs]
             summary = summarise(sweep_dir, members, swept)
             sweep_dir.mkdir(parents=True, exist_ok=True)
+            summary.update(_pictures(sweep_dir, members, "optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))))
             _write(sweep_dir / "summary.json", json.dumps(summary, indent=2))
             _write(sweep_dir / "summary.md", to_markdown(summary))
             global summary_path
             failed_members[:] = [m for m in members if m["status"] == "failed"]
             summary_path = sweep_dir / "summary.md"
+            from flows import sweep_parent
+
+            sweep_parent.publish(summary, to_markdown(summary))
             print(f"\nloraflow: sweep of {len(members)} member(s) done; summary in {sweep_dir / 'summary.md'}")
         except Exception as e:  # the members' results are on disk; a broken summary must not hide them
             log.warning("sweep summary: not written (%s: %s)", type(e).__name__, e)

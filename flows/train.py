@@ -21,6 +21,7 @@ from flows import engine_tweaks
 from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
+from flows.run_names import name_this_run, run_name, run_tags
 from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, learning_task, load, sample_task,
                          train_task, validate_task)
 from tasks import cache_latents, cache_text, sample, train, validate
@@ -73,10 +74,12 @@ def _run(task, store: Store, **params) -> dict:
 
 @flow(name="loraflow", persist_result=False)
 @run_logs  # loraflow's log to Prefect's API and <run dir>/loraflow.log
-def train_flow(config_name: str = "train", overrides: list[str] | None = None) -> dict:
+def train_flow(config_name: str = "train", overrides: list[str] | None = None, sweep: str | None = None) -> dict:
+    """`sweep`: the sweep this run is a member of (its tag), from `-m`."""
     interrupt.reset()  # a stop asked of an earlier flow run in this process is not this run's
     cfg_node, run_dir = compose(config_name, overrides)
     cfg = resolve_paths(cfg_node)
+    name_this_run(run_name(cfg, list(overrides or [])), run_tags(cfg, list(overrides or []), sweep))
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_to_file(run_dir)
@@ -117,7 +120,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None) -
                                            or artifacts["lora"], str(run_dir))
         report["artifacts"]["before_after"] = report["learning"].pop("before_after")
     path = write_report(run_dir, report)
-    publish_artifacts(report, path)
+    publish_artifacts(report, path, cfg.export.files_url)
     inputs = {n: r["inputs"] for n, r in results.items()}
     if inputs != previous:  # a no-op over 100,000 items writes nothing
         store.write_record(config_name, {"inputs": inputs})

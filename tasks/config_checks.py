@@ -260,6 +260,10 @@ def _loss_and_network_errors(cfg: Config, adapter_cls) -> list[str]:
         if tc.text_encoder_lr is not None:
             errors.append(f"train.network={tc.network} with train.text_encoder_lr: the text encoders train a "
                           "plain LoRA only; use train.network=lora, or train.text_encoder_lr=null")
+    url = cfg.export.files_url
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        errors.append(f"export.files_url={url}: not an http(s) URL; give the address that serves the folder "
+                      "loraflow runs in (e.g. http://HOST:8000), or leave it null")
     if tc.network == "dora" and tc.text_encoder_lr is not None and cfg.export.format != "diffusers":
         # the kohya/ComfyUI files carry the denoiser's DoRA as dora_scale; the text encoders' have no writer here
         errors.append(f"train.network=dora with train.text_encoder_lr and export.format={cfg.export.format}: "

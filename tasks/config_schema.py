@@ -147,6 +147,8 @@ class TrainConfig:
     text_encoder_lr: Optional[float] = None
     target_modules: Optional[List[str]] = None  # None: the family adapter's default
     log_every: int = 10
+    # The flow run's name in Prefect's UI; null: made from the family, the data folder and the overrides
+    run_name: Optional[str] = None
     gradient_checkpointing: bool = False
     # With gradient_checkpointing: the blocks' saved inputs wait in host memory (tasks/training/activation_offload.py)
     gradient_checkpointing_offload: bool = False
@@ -218,6 +220,10 @@ class ExportConfig:
     # kohya (sd-scripts/kohya key names) | diffusers (PEFT names) | comfyui (ComfyUI's own layout) | both
     # (kohya + diffusers); every run also gets a comfyui file (the kohya file where ComfyUI maps it fully)
     format: str = "both"
+    # A URL serving the folder loraflow runs in (e.g. `python -m http.server 8000` there: http://HOST:8000):
+    # the LoRA files then appear in Prefect's UI as links under it; null: as their paths (a browser on another
+    # machine cannot open a file:// link)
+    files_url: Optional[str] = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from tasks import charts
 from tasks.config import Config
 from tasks.lazy import lazy
 from tasks.models.lora_variants import lycoris
@@ -151,11 +152,26 @@ def publish(cfg: Config, plan: Plan, store: Store, run_dir: Path, lora: dict, sa
         dst = out / f"{p['line']:03d}_{slug(p['prompt'])}{Path(src).suffix}"  # .png, or a video family's .mp4
         shutil.copyfile(src, dst)
         paths.append(str(dst))
-    grid = str(make_grid([Path(p) for p in paths], out / "grid.png", labels=grid_labels(cfg, plan))) \
+    labels = grid_labels(cfg, plan)
+    grid = str(make_grid([Path(p) for p in paths], out / "grid.png", labels=labels)) \
         if paths and cfg.sample.grid else None
     main = files.get("lycoris") or files.get("diffusers") or files.get("kohya") or files["comfyui"]
+    chart = loss_png(cfg, run_dir, lora)
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
-            "grid": grid, "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {}))}
+            "grid": grid, "sample_labels": [" · ".join(lines) for lines in labels][:len(paths)],
+            "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {})),
+            **({"loss_chart": str(chart)} if chart else {})}
+
+
+def loss_png(cfg: Config, run_dir: Path, lora: dict) -> Path | None:
+    """<run dir>/loss.png: the loss per step and its running mean over train.log_every steps (the log line's
+    mean), the validation loss, the learning rate of the run's schedule."""
+    losses = lora.get("step_losses") or []
+    if not losses:
+        return None
+    tc = cfg.train
+    return charts.loss_chart(run_dir / "loss.png", losses, tc.log_every, charts.lr_schedule(tc, len(losses)),
+                             lora.get("validation_loss"), title=f"{run_dir.name}: training loss")
 
 
 def _checkpoint_samples(out: Path, rendered: dict[str, list[dict]]) -> dict[str, list[str]]:

@@ -86,6 +86,7 @@ class _Run:
     start: int = 0  # the step this run continues from
     step_losses: list = field(default_factory=list)
     val_losses: list = field(default_factory=list)
+    on_step: list = field(default_factory=list)  # (step, max_steps) after each step, main process
 
     @property
     def tc(self) -> dict:
@@ -97,14 +98,17 @@ class _Run:
 
 
 def train_lora(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, out_dir: Path,
-               trajectory: str, run_dir: Path | None = None, on_samples: list | None = None) -> dict:
+               trajectory: str, run_dir: Path | None = None, on_samples: list | None = None,
+               on_step: list | None = None) -> dict:
     """The training loop, top to bottom. Runs as one process or as each of `train.num_processes` (data
     parallel: every step's batch is split across processes, gradients summed with the loss weights of
     `my_share`). Returns the LoRA file, per-step losses, the step it continued from, and the samples
     rendered during training (the main process's view; the others return None). `run_dir`: TensorBoard
     logs go to its tensorboard/, samples rendered during training to its samples/step_<k>/ as they are
-    made; `on_samples`: more callbacks (step, paths) for them (the flow's Prefect artifact)."""
+    made; `on_samples`: more callbacks (step, paths) for them (the flow's Prefect artifact); `on_step`:
+    callbacks (step, max_steps) after each step (the flow's progress artifact)."""
     run = _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples)
+    run.on_step = on_step or []
     _resume(run, trajectory)
     _train_steps(run, trajectory)
     return _export(run, out_dir)
@@ -283,6 +287,8 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
                  sum(window) / len(window), run.lr_schedule.get_last_lr()[0], rate,
                  _duration((tc.max_steps - step) / rate))
         clock["window"] = []
+    for tell in run.on_step if main else ():
+        tell(step, tc.max_steps)
     if run.sampler.due(step) and main:
         run.sampler(step, run.denoiser, checkpoint_key(trajectory, step))
     if run.held and main and validation.due(step, tc.validate_every_n_steps, tc.max_steps):
@@ -317,11 +323,11 @@ def _export(run: _Run, out_dir: Path) -> dict | None:
 
 
 def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dict, run_dir: Path | None = None,
-        on_samples: list | None = None) -> dict:
+        on_samples: list | None = None, on_step: list | None = None) -> dict:
     """The train node: the stored LoRA for this key, or a new one trained in this process or, with
     `train.num_processes` > 1, under `accelerate launch` (tasks/training/distributed.py). `run_dir` receives the
     TensorBoard logs of the steps trained in this run and the samples rendered during training, as they
-    are rendered; `on_samples` (in this process only) is told of each sample point."""
+    are rendered; `on_samples` (in this process only) is told of each sample point, `on_step` of each step."""
     node_inputs = inputs(cfg, plan, latent_keys, text_keys)
     key = key_of(node_inputs)
     status = check_items(store, KIND, [key])
@@ -344,7 +350,7 @@ def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dic
             else:
                 # a signal stops the loop at the end of its step (checkpoint kept), then is raised again
                 out = interrupt.until_safe_point(train_lora, cfg, plan, store, latent_keys, text_keys, Path(tmp),
-                                                 trajectory, run_dir, on_samples)
+                                                 trajectory, run_dir, on_samples, on_step)
             if out is not None:
                 canonicalize_safetensors(out["lora"])  # same config + data -> the same bytes
                 ema_file = out.pop("lora_ema", None)
@@ -356,6 +362,7 @@ def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dic
     meta = store.meta(KIND, key)
     return node_result(key, {"lora": key}, status, node_inputs, lora=str(store.get_path(KIND, key)),
                        losses=logged_losses(meta.get("step_losses", []), cfg.train.log_every),
+                       step_losses=meta.get("step_losses", []),  # <run dir>/loss.png
                        continued_from_step=resumed, checkpoint_samples=meta.get("checkpoint_samples", {}),
                        sample_warnings=meta.get("sample_warnings", []),
                        validation_loss=meta.get("validation_loss", []), runtime=meta.get("runtime", {}),

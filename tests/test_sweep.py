@@ -13,7 +13,7 @@ from conftest import cli_env
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
+def test_sweep_shares_caches_and_writes_a_summary(tmp_path, prefect_api):
     data, prompts, sweep = tmp_path / "data", tmp_path / "prompts.txt", tmp_path / "sweep"
     shutil.copytree(REPO / "data" / "demo", data)
     shutil.copyfile(REPO / "data" / "demo_prompts.txt", prompts)
@@ -45,6 +45,46 @@ def test_sweep_shares_caches_and_writes_a_summary(tmp_path):
     assert members[1]["nodes"]["cache_latents"]["computed"] == 0 and members[1]["nodes"]["train"]["status"] == "ran"
     md = (sweep / "summary.md").read_text()
     assert "train.lr=0.001" in md and "train.lr=0.002" in md and "0/report.json" in md
+    _compared_by_eye(sweep, summary)
+
+
+def _compared_by_eye(sweep: Path, summary: dict) -> None:
+    """compare.png (a column per member, a row per prompt), loss.png, both in summary.md; one parent flow run
+    `loraflow-sweep` with the members' flow runs under it, named and tagged, and the pictures as its artifacts."""
+    from uuid import UUID
+
+    from PIL import Image
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterTags)
+
+    from flows.run_names import sweep_id
+    from test_artifacts import pictures
+
+    member_grid = Image.open(next((sweep / "0" / "samples").glob("*_a_red_circle_on_a_blue_background.png")))
+    cell = max(192, member_grid.width)  # tiny samples are shown at >= 192 px, as in the run's grid
+    with Image.open(sweep / "compare.png") as compare:
+        assert compare.width == 2 * cell + 4, compare.size  # two members, 4 px apart
+        assert compare.height == 4 + 12 * 3 + 3 * (cell + 16), compare.size  # header, 3 prompts of label + cell
+    assert Image.open(sweep / "loss.png").size == (800, 500)
+    assert "](compare.png)" in (sweep / "summary.md").read_text() and "](loss.png)" in (sweep / "summary.md").read_text()
+    assert summary["compare"] == str(sweep / "compare.png") and summary["loss_chart"] == str(sweep / "loss.png")
+
+    tag = f"sweep:{sweep_id(sweep)}"
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+        parent, = [r for r in runs if r.name.startswith("sweep ")]
+        assert parent.name == f"sweep {sweep_id(sweep)}: train.lr" and parent.state.is_completed()
+        members = sorted((r for r in runs if r.id != parent.id), key=lambda r: r.name)
+        assert [client.read_task_run(r.parent_task_run_id).flow_run_id for r in members] == [parent.id] * 2
+        # family · data folder · the overrides as given (the swept one first here)
+        assert [r.name.split(" · ")[2].split(" ")[0] for r in members] == ["lr=0.001", "lr=0.002"], [r.name for r in members]
+        assert all({"family:flux", "loraflow-sweep", tag} <= set(r.tags) for r in members)
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent.id])))
+    by_key = {a.key: a.data for a in found}
+    (alt, compare), = pictures(by_key["loraflow-sweep-compare"])
+    assert compare.size == Image.open(sweep / "compare.png").size and "train.lr=0.001; train.lr=0.002" in alt
+    assert len(pictures(by_key["loraflow-sweep-loss"])) == 1 and len(pictures(by_key["loraflow-sweep-summary"])) == 2
 
 
 def test_sweep_with_a_failing_member_summarises_it_and_exits_non_zero(tmp_path):

@@ -24,6 +24,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flows.run_names import sweep_id
+
 log = logging.getLogger("loraflow")
 FLOW_RUN_FILE = "flow_run.json"
 
@@ -55,7 +57,8 @@ class PrefectLauncher(Launcher):
         task = [o for o in overrides if not o.startswith("hydra.")]
         return {"idx": idx, "overrides": list(overrides), "dir": out_dir, "cfg": cfg,
                 "parameters": {"config_name": self.config.hydra.job.config_name or "train",
-                               "overrides": [*task, f"hydra.run.dir={out_dir}"]}}
+                               "overrides": [*task, f"hydra.run.dir={out_dir}"],
+                               "sweep": sweep_id(str(cfg.hydra.sweep.dir))}}
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from prefect.client.orchestration import get_client
@@ -72,7 +75,7 @@ class PrefectLauncher(Launcher):
                 while waiting and len(running) < self.max_concurrent:
                     m = waiting.pop(0)
                     run = run_deployment(self.deployment, parameters=m["parameters"], timeout=0,
-                                         tags=["loraflow-sweep"])
+                                         tags=["loraflow-sweep", f"sweep:{m['parameters']['sweep']}"])
                     m.update(flow_run_id=str(run.id), submitted=time.monotonic())
                     log.info("sweep: member %d (%s) -> flow run %s", m["idx"],
                              " ".join(filter_overrides(m["overrides"])), run.id)

@@ -24,7 +24,7 @@ _NOT_TRAJECTORY = ("train.max_steps", "train.log_every", "train.save_every_n_ste
 # Settings that change nothing the node stores (where the loss curve is logged).
 # validate_every_n_steps changes no weight: the validation losses are stored with the LoRA as computed.
 _NOT_KEY = ("log_with", "machine_rank", "main_process_ip", "main_process_port",  # (every machine: one key)
-            "validate_every_n_steps",
+            "validate_every_n_steps", "run_name",
             "blocks_to_swap",  # where weights wait between uses: the same LoRA bytes (tests/test_block_swap.py)
             "gradient_checkpointing_offload")  # likewise, saved activations (tests/test_activation_offload.py)
 SCHEDULES_WITHOUT_MAX_STEPS = ("constant", "constant_with_warmup")
