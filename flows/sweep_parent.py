@@ -19,9 +19,11 @@ def run_sweep(hydra_main) -> None:
     from prefect.states import Failed
 
     exit_code: list = []
+    started: list = []
 
     @flow(name="loraflow-sweep", persist_result=False)
     def loraflow_sweep(argv: list[str]):
+        started.append(True)
         try:
             hydra_main()
         except SystemExit as e:
@@ -34,7 +36,13 @@ def run_sweep(hydra_main) -> None:
             return Failed(message=f"{len(sweep.failed_members)} member(s) failed; see {sweep.summary_path}")
         return None
 
-    loraflow_sweep(list(sys.argv[1:]), return_state=True)
+    try:
+        loraflow_sweep(list(sys.argv[1:]), return_state=True)
+    except Exception as e:  # noqa: BLE001 -- no API to hold the parent: the members say why, one by one
+        if started:
+            raise
+        log.warning("the sweep runs without a parent flow run (%s: %s)", type(e).__name__, e)
+        hydra_main()
     if exit_code:
         sys.exit(exit_code[0])
 

@@ -283,8 +283,8 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
     if (step % tc.log_every == 0 or step == tc.max_steps) and main:
         rate = (step - run.start) / max(time.perf_counter() - clock["t0"], 1e-9)
         window = clock["window"]
-        log.info("train: step %4d/%d  loss %.4f  lr %.2e  %.2f it/s  ETA %s", step, tc.max_steps,
-                 sum(window) / len(window), run.lr_schedule.get_last_lr()[0], rate,
+        log.info("train: step %4d/%d  loss %.4f (mean of %d steps)  lr %.2e  %.2f it/s  ETA %s", step, tc.max_steps,
+                 sum(window) / len(window), len(window), run.lr_schedule.get_last_lr()[0], rate,
                  _duration((tc.max_steps - step) / rate))
         clock["window"] = []
     for tell in run.on_step if main else ():
