@@ -143,7 +143,7 @@ def main() -> None:
 
     sweep.seed_optuna(sys.argv)  # hydra/sweeper=optuna: a seeded sampler unless the command line seeds it
     if _multirun():  # one parent flow run, the members under it (flows/sweep_parent.py)
-        sweep_parent.run_sweep(main)
+        sweep_parent.run_sweep(main, lambda: sweep.failed_members)
     else:
         main()
     if sweep.failed_members:  # a sweep: exit non-zero, one line (each member's error is in the summary)

@@ -24,7 +24,7 @@ from flows.errors import USER_ERRORS
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.config import Config, compose, resolve_paths
 from tasks.store.hashing import changed_inputs, key_of
-from tasks.report import NODES
+from tasks.report import NODES, readable_changes
 from tasks.store.remote_store import open_store
 from tasks.store import Store
 
@@ -89,6 +89,9 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
     nodes["sample"] = _entry(*_items(store, sample.KIND, sample_keys.values()), previous.get("sample"),
                              sample.inputs(cfg, plan, lora_key, text_keys),
                              key=sample.key_of_node(cfg, plan, lora_key, text_keys))
+    for e in nodes.values():  # the table names them as a run's log does ("image or caption img_03.png")
+        e["changed_readable"] = list(dict.fromkeys(
+            readable_changes([n], cfg.sample.prompts_file, cfg.data.caption_extension) for n in e["changed"]))
     return {"config_name": config_name, "store": str(store.root), "previous_run": record is not None,
             "nodes": {n: nodes[n] for n in NODES}, "warnings": plan.warnings}
 
@@ -101,9 +104,10 @@ def format_table(result: dict) -> str:
             would = "run (always)"
         elif e.get("continues_from_step"):
             would = f"run (continues from step {e['continues_from_step']})"
-        changed = ", ".join(e["changed"][:SHOWN_CHANGES])
-        if len(e["changed"]) > SHOWN_CHANGES:
-            changed += f", ... (+{len(e['changed']) - SHOWN_CHANGES} more)"
+        names = e.get("changed_readable", e["changed"])
+        changed = ", ".join(names[:SHOWN_CHANGES])
+        if len(names) > SHOWN_CHANGES:
+            changed += f", ... (+{len(names) - SHOWN_CHANGES} more)"
         rows.append((name, would, str(e["compute"]), str(e["reuse"]), changed or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) if i == 0 or i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r[:4], widths)))

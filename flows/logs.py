@@ -85,16 +85,36 @@ def log_to_file(run_dir: Path) -> Path | None:
     return path
 
 
-def log_nodes(nodes: dict, cfg: Config | None = None) -> None:
-    """One line per node of the report: status, items computed and reused, seconds, and what changed since
-    the last run of this config (the caption file, the prompt line)."""
+def log_nodes(nodes: dict, cfg: Config | None = None, config_name: str | None = None) -> None:
+    """One line per node of the report: what it did (validate checks every item each run; a cached node reused
+    everything), seconds, and for a node that computed, what differs from the last run of this config name.
+    A cached node's differences are no reason for work (report.json still lists them)."""
     from tasks.report import readable_changes
 
+    name_of_config = config_name or _config_name()
     for name, e in nodes.items():
-        changed = (f"; changed: {readable_changes(e['changed'], cfg.sample.prompts_file, cfg.data.caption_extension)}"
-                   if e.get("changed") and cfg else "")
-        logging.getLogger(LOGGER).info("%-13s %-6s %d computed, %d reused, %.1f s%s", name + ":", e.get("status", ""),
-                                       e.get("computed", 0), e.get("reused", 0), e.get("seconds", 0.0), changed)
+        seconds = e.get("seconds", 0.0)
+        if name == "validate":
+            logging.getLogger(LOGGER).info("%-14s checked %d items, %.1f s", name + ":", e.get("computed", 0), seconds)
+            continue
+        if not e.get("computed"):
+            logging.getLogger(LOGGER).info("%-14s cached (%d reused), %.1f s", name + ":", e.get("reused", 0), seconds)
+            continue
+        why = (f"; differs from the last run of {name_of_config}: "
+               f"{readable_changes(e['changed'], cfg.sample.prompts_file, cfg.data.caption_extension)}"
+               if e.get("changed") and cfg else "")
+        logging.getLogger(LOGGER).info("%-14s ran    %d computed, %d reused, %.1f s%s", name + ":",
+                                       e["computed"], e.get("reused", 0), seconds, why)
+
+
+def _config_name() -> str:
+    """The flow run's config name (train_flow's parameter); "this config" outside a flow run."""
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.parameters.get("config_name") or "this config")
+    except Exception:  # no run context: the wording only
+        return "this config"
 
 
 def run_logs(fn):

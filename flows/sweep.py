@@ -163,16 +163,25 @@ def _rel(path: str | None, base: Path) -> str:
         return path
 
 
-def to_markdown(summary: dict) -> str:
+def to_markdown(summary: dict, inline: bool = False) -> str:
+    """summary.md; `inline`: its pictures as data URLs (for Prefect's UI: a relative link works only beside the
+    file)."""
     base = Path(summary["sweep_dir"])
+
+    def picture(path: str) -> str:
+        if inline:
+            from flows.artifacts import data_url
+
+            return data_url(path)
+        return _rel(path, base)
     lines = [f"# Sweep summary: {base}", "",
              f"Swept: {', '.join(summary['swept_keys']) or '(nothing)'}; {len(summary['members'])} member(s).", ""]
     if summary.get("compare"):
         lines += ["Samples side by side (a row per prompt, a column per member):", "",
-                  f"![members' samples side by side]({_rel(summary['compare'], base)})", ""]
+                  f"![members' samples side by side]({picture(summary['compare'])})", ""]
     if summary.get("loss_chart"):
         lines += ["Loss curves (each point the mean of a log window of train.log_every steps):", "",
-                  f"![members' loss curves]({_rel(summary['loss_chart'], base)})", ""]
+                  f"![members' loss curves]({picture(summary['loss_chart'])})", ""]
     lines += [
              "| member | overrides | final loss (mean of the last log window) | validation loss | LoRA | grid | report | " + " | ".join(NODES[1:]) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * (len(NODES) - 1)]
@@ -239,7 +248,7 @@ class SweepSummary(Callback):
         with contextlib.suppress(Exception):  # the parent flow run (flows/cli.py) takes the sweep's name
             from flows import sweep_parent
 
-            sweep_parent.name_parent(config)
+            sweep_parent.name_parent(str(config.hydra.sweep.dir), _swept_keys(list(config.hydra.overrides.task)))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:
@@ -282,7 +291,7 @@ class SweepSummary(Callback):
             summary_path = sweep_dir / "summary.md"
             from flows import sweep_parent
 
-            sweep_parent.publish(summary, to_markdown(summary))
+            sweep_parent.publish(summary, to_markdown(summary, inline=True))
             print(f"\nloraflow: sweep of {len(members)} member(s) done; summary in {sweep_dir / 'summary.md'}")
         except Exception as e:  # the members' results are on disk; a broken summary must not hide them
             log.warning("sweep summary: not written (%s: %s)", type(e).__name__, e)

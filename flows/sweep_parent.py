@@ -12,9 +12,10 @@ from pathlib import Path
 log = logging.getLogger("loraflow")
 
 
-def run_sweep(hydra_main) -> None:
+def run_sweep(hydra_main, failed_members) -> None:
     """Runs `hydra_main` (the CLI's Hydra app, in -m mode) inside the parent flow run; its exit code (Ctrl-C,
-    a failed sweep) is raised again outside the flow, so Prefect's engine never logs it as a crash."""
+    a failed sweep) is raised again outside the flow, so Prefect's engine never logs it as a crash.
+    `failed_members()`: the members that failed, once the sweep is done (the parent then ends Failed)."""
     from prefect import flow
     from prefect.states import Failed
 
@@ -30,10 +31,8 @@ def run_sweep(hydra_main) -> None:
             if e.code not in (None, 0):
                 exit_code.append(e.code)
                 return Failed(message=f"the sweep stopped (exit {e.code})")
-        from flows import sweep
-
-        if sweep.failed_members:
-            return Failed(message=f"{len(sweep.failed_members)} member(s) failed; see {sweep.summary_path}")
+        if failed := failed_members():
+            return Failed(message=f"{len(failed)} member(s) failed: " + ", ".join(m["member"] for m in failed))
         return None
 
     try:
@@ -54,20 +53,19 @@ def _in_flow() -> bool:
     return ctx is not None and ctx.flow_run is not None and ctx.flow.name == "loraflow-sweep"
 
 
-def name_parent(config) -> None:
+def name_parent(sweep_dir: str, swept: list[str]) -> None:
     """The parent flow run named after the sweep (`sweep <id>: <swept keys>`) and tagged `sweep:<id>`."""
     if not _in_flow():
         return
     from flows.run_names import name_this_run, sweep_id
-    from flows.sweep import _swept_keys
 
-    sid = sweep_id(str(config.hydra.sweep.dir))
-    swept = _swept_keys(list(config.hydra.overrides.task))
+    sid = sweep_id(sweep_dir)
     name_this_run(f"sweep {sid}: {', '.join(swept) or 'no swept keys'}", ["loraflow", "loraflow-sweep", f"sweep:{sid}"])
 
 
 def publish(summary: dict, markdown: str) -> None:
-    """The sweep's artifacts on the parent flow run: the summary (pictures inline) and each picture."""
+    """The sweep's artifacts on the parent flow run: the summary (`markdown`, its pictures inline) and each
+    picture."""
     if not _in_flow():
         return
     from prefect.artifacts import create_markdown_artifact
@@ -75,7 +73,7 @@ def publish(summary: dict, markdown: str) -> None:
     from flows.artifacts import image_markdown
 
     try:
-        create_markdown_artifact(key="loraflow-sweep-summary", markdown=_inline(markdown, summary),
+        create_markdown_artifact(key="loraflow-sweep-summary", markdown=markdown,
                                  description=f"sweep summary ({Path(summary['sweep_dir']) / 'summary.md'})")
         if summary.get("compare"):
             members = [m for m in summary["members"] if m.get("status") != "failed"]
@@ -92,14 +90,3 @@ def publish(summary: dict, markdown: str) -> None:
     except Exception as e:  # noqa: BLE001 -- a view of the sweep
         log.warning("could not publish the sweep's artifacts: %s", e)
 
-
-def _inline(markdown: str, summary: dict) -> str:
-    """summary.md with its pictures as data URLs (the relative links only work beside the file)."""
-    from flows.artifacts import data_url
-    from flows.sweep import _rel
-
-    base = Path(summary["sweep_dir"])
-    for key in ("compare", "loss_chart"):
-        if summary.get(key):
-            markdown = markdown.replace(f"]({_rel(summary[key], base)})", f"]({data_url(summary[key])})")
-    return markdown

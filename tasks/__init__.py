@@ -19,15 +19,17 @@ class _KnownImportNoise(_logging.Filter):
     its CUDA-only extensions failing to load beside the CPU build of torch, torch 2.13 deprecating how it
     registers two Enums, and diffusers 0.42 looking for tensor classes torchao has moved. peft imports bitsandbytes
     (model.matmul=bnb) when it is installed, and bitsandbytes 0.50 on an AVX512-BF16 CPU fails to load its optional
-    CPU inference kernel from a hub (the `kernels` package, not installed): loraflow's 4-bit matmul never uses it."""
+    CPU inference kernel from a hub (the `kernels` package, not installed): loraflow's 4-bit matmul never uses it.
+    Without triton (a CPU machine) torchao warns that its triton int8 matmul is missing: on the CPU its safe_int_mm
+    (model.matmul=int8) does not use that kernel."""
 
     NEEDLES = ("Failed to load", "is an Enum subclass and is now natively supported",
-               "Unable to import `torchao` Tensor objects")
+               "Unable to import `torchao` Tensor objects", "Detected no triton, on systems without Triton")
 
     def filter(self, record: _logging.LogRecord) -> bool:
         return not any(n in record.getMessage() for n in self.NEEDLES)
 
 
-for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer",
+for _name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer",
               "bitsandbytes.backends.cpu.ops"):
     _logging.getLogger(_name).addFilter(_KnownImportNoise())

@@ -344,7 +344,7 @@ def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dic
             if cfg.train.num_processes > 1 or cfg.train.num_machines > 1:
                 from tasks.training.distributed import launch_training, wait_for_lora
 
-                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir)
+                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir, on_step)
                 if out is None:  # a machine other than 0: machine 0 stores the LoRA
                     wait_for_lora(store, KIND, key)
             else:

@@ -320,3 +320,16 @@ def box_clip(path, n: int, color, fps: float = 8, first=None) -> Path:
         a[12:26, 2 + 2 * i:14 + 2 * i] = first if (i == 0 and first) else color
         frames.append(a)
     return write_mp4(frames, path, fps)
+
+
+DATA_URL = re.compile(r"!\[([^\]]*)\]\(data:image/(png|jpeg);base64,([A-Za-z0-9+/=]+)\)")
+
+
+def pictures(markdown: str) -> list:
+    """(alt text, decoded PIL picture) of each data-URL image in a markdown artifact (flows/artifacts.py)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    return [(alt, Image.open(io.BytesIO(base64.b64decode(data)))) for alt, _, data in DATA_URL.findall(markdown)]

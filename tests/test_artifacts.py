@@ -3,15 +3,13 @@ loss chart as pictures inside the artifact (data URLs), the LoRA files as links 
 a progress artifact of the training steps; and the flow run is named and tagged after what it trains."""
 from __future__ import annotations
 
-import base64
-import io
 import re
 from pathlib import Path
 from uuid import UUID
 
 from PIL import Image
+from support import pictures
 
-DATA_URL = re.compile(r"!\[([^\]]*)\]\(data:image/(png|jpeg);base64,([A-Za-z0-9+/=]+)\)")
 
 
 def _artifacts(flow_run_id: str) -> dict:
@@ -22,11 +20,6 @@ def _artifacts(flow_run_id: str) -> dict:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)])))
     return {a.key: a for a in found}
-
-
-def pictures(markdown: str) -> list[tuple[str, Image.Image]]:
-    """(alt text, decoded picture) of each data-URL image in a markdown artifact."""
-    return [(alt, Image.open(io.BytesIO(base64.b64decode(data)))) for alt, _, data in DATA_URL.findall(markdown)]
 
 
 def test_run_publishes_pictures_and_names_its_run(workspace):
@@ -91,10 +84,19 @@ def test_training_logs_loss_to_tensorboard(workspace):
 
     report = workspace.run("train.seed=22", "train.max_steps=6")
     assert report["nodes"]["train"]["status"] == "ran"
-    event_file = next(Path(report["artifacts"]["tensorboard"]).rglob("events.out.tfevents.*"))
-    events = EventAccumulator(str(event_file.parent))
+    # one run in TensorBoard's list: the settings are hparams of the folder with the losses, not of a subfolder
+    folders = {f.parent for f in Path(report["artifacts"]["tensorboard"]).rglob("events.out.tfevents.*")}
+    assert len(folders) == 1 and not [p for p in folders.copy().pop().iterdir() if p.is_dir()], folders
+    events = EventAccumulator(str(folders.pop()))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 7))
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    hparams = events.PluginTagToContent("hparams")
+    start = HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["max_steps"].number_value == 6 and start.hparams["optimizer"].string_value == "adamw"
+    experiment = HParamsPluginData.FromString(hparams["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in experiment.metric_infos] == ["loss"]  # the hparams table shows each run's loss
     assert "lr" in events.Tags()["scalars"]
     # the per-step losses the report's windows (log_every=4) are made of
     values = [e.value for e in events.Scalars("loss")]

@@ -39,6 +39,8 @@ def test_explain_predicts_the_run(workspace):
     assert nodes["cache_text"]["changed"] == ["caption:img_03.png"]
     assert nodes["train"]["would"] == "run" and nodes["train"]["compute"] == 1
     assert "item:img_03.png" in nodes["train"]["changed"]
+    assert "image or caption img_03.png" in nodes["train"]["changed_readable"]  # the run's log's words
+    assert nodes["cache_text"]["changed_readable"] == ["caption img_03.txt"]
     assert nodes["sample"]["would"] == "run" and nodes["sample"]["compute"] == N_PROMPTS
     assert nodes["validate"]["changed"] == []  # captions are not validate's inputs, images are
 
@@ -71,7 +73,7 @@ def test_explain_cli_table_and_user_errors(workspace, tmp_path):
     for node in ("validate", *WORK):
         assert any(line.startswith(node + " ") for line in lines), proc.stdout
     row = next(line for line in lines if line.startswith("sample "))
-    assert "run" in row and "prompt:" in row  # one new prompt: one image to render, named
+    assert "run" in row and f"{workspace.prompts.name} line " in row  # one new prompt, named as a run names it
     assert "would compute in: cache_text, sample" in proc.stdout
 
     proc = _explain_cli([*_overrides(workspace), "train.lrr=1"], tmp_path)

@@ -59,7 +59,7 @@ def _compared_by_eye(sweep: Path, summary: dict) -> None:
                                                 FlowRunFilterTags)
 
     from flows.run_names import sweep_id
-    from test_artifacts import pictures
+    from support import pictures
 
     member_grid = Image.open(next((sweep / "0" / "samples").glob("*_a_red_circle_on_a_blue_background.png")))
     cell = max(192, member_grid.width)  # tiny samples are shown at >= 192 px, as in the run's grid

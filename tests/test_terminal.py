@@ -174,5 +174,5 @@ def test_quiet_output_that_names_what_changed(tmp_path):
     lines = (second.stdout + second.stderr).splitlines()
     text_line = next(line for line in lines if "cache_text:" in line and "computed," in line)
     sample_line = next(line for line in lines if "sample:" in line and "computed," in line)
-    assert text_line.endswith("changed: caption img_01.txt"), text_line
-    assert sample_line.endswith("changed: lora"), sample_line
+    assert text_line.endswith("differs from the last run of train: caption img_01.txt"), text_line
+    assert sample_line.endswith("differs from the last run of train: lora"), sample_line

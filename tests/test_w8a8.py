@@ -195,3 +195,18 @@ def test_fp8_w8a8_on_a_gpu_without_the_fp8_kernel_is_refused_naming_the_fix(tmp_
     assert any("model.matmul=w8a8" in e and "8.9" in e and "model.matmul=dequantize" in e for e in errors)
     assert not any("model.matmul" in e for e in config_errors(_cfg(tmp_path, "model.quantize=int8",
                                                                    "model.matmul=w8a8")))
+
+
+def test_torchao_no_triton_warning_is_silenced_and_only_it():
+    """Importing torchao on a machine without triton warned on every run (issue 62); other lines of its
+    logger still print."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import logging; logging.basicConfig(); import tasks, torchao.quantization; "
+             "logging.getLogger('torchao.kernel.intmm').warning('another line')")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Detected no triton" not in proc.stderr and "another line" in proc.stderr, proc.stderr

@@ -30,6 +30,7 @@ from tasks.plan import Plan
 log = logging.getLogger("loraflow")
 RESULT = "result.json"
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Artifact|Interrupt)(: |$)")
+_STEP_LINE = re.compile(r"train: step\s+(\d+)/(\d+)\s")  # the main process's log line (every train.log_every)
 
 
 def _free_port() -> int:
@@ -63,9 +64,10 @@ def wait_for_lora(store, kind: str, key: str, timeout: float = 3600.0, poll: flo
 
 
 def launch_training(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict, out_dir: Path, trajectory: str,
-                    run_dir: Path | None) -> dict | None:
+                    run_dir: Path | None, on_step: list | None = None) -> dict | None:
     """Train under `accelerate launch` with cfg.train.num_processes processes (over train.num_machines);
-    returns what train.train_lora returns on the main process, None on a machine other than 0."""
+    returns what train.train_lora returns on the main process, None on a machine other than 0. `on_step`:
+    told (step, max_steps) of each step line the main process logs."""
     n = int(cfg.train.num_processes)
     job = {"cfg": as_plain(cfg), "plan": plan.stored(), "latent_keys": latent_keys, "text_keys": text_keys, "out_dir": str(out_dir),
            "trajectory": trajectory, "run_dir": str(run_dir) if run_dir else None}
@@ -89,6 +91,9 @@ def launch_training(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict,
             if _EXCEPTION_LINE.match(line) and "ChildFailedError" not in line:  # that one is torchrun's summary
                 errors.append(line.strip())
             log.info("train[launch] %s", line.rstrip())
+            if on_step and (m := _STEP_LINE.search(line)):
+                for tell in on_step:
+                    tell(int(m.group(1)), int(m.group(2)))
         code = proc.wait()
     finally:
         if proc.poll() is None:

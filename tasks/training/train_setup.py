@@ -40,7 +40,26 @@ def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
 
     AcceleratorState._reset_state(True)
     return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
-                       log_with="tensorboard" if log_dir else None, project_dir=str(log_dir) if log_dir else None)
+                       log_with=[run_tensorboard("loraflow", log_dir)] if log_dir else None,
+                       project_dir=str(log_dir) if log_dir else None)
+
+
+def run_tensorboard(run_name: str, log_dir: Path):
+    """accelerate's TensorBoard tracker (<log_dir>/<run_name>), but init_trackers' config goes in as hparams of
+    that run: accelerate's add_hparams writes them to a timestamped subfolder, which TensorBoard lists as a second
+    run. The run's "loss" is the hparams table's metric."""
+    from accelerate.tracking import TensorBoardTracker, on_main_process
+
+    class RunTensorBoard(TensorBoardTracker):
+        @on_main_process
+        def store_init_configuration(self, values: dict) -> None:
+            from torch.utils.tensorboard.summary import hparams
+
+            for summary in hparams(values, {"loss": 0.0}):  # (the value is not written: the metric's name only)
+                self.writer._get_file_writer().add_summary(summary)
+            self.writer.flush()
+
+    return RunTensorBoard(run_name, str(log_dir))
 
 
 def make_optimizer(tc: TrainConfig, params: list) -> torch.optim.Optimizer:
