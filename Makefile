@@ -3,7 +3,16 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install run test clean
+.PHONY: install run test clean browser
+
+# tests/test_ui_browser.py opens Prefect's UI in Debian's Chromium through Debian's chromedriver (as root, or
+# install the two packages yourself)
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  echo "installing Debian's chromium and chromium-driver (tests/test_ui_browser.py)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+	    >/tmp/chromium-install.log 2>&1 || echo "could not install them (/tmp/chromium-install.log): tests/test_ui_browser.py will fail"; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -37,7 +46,7 @@ WORKERS ?= 3
 # and beside the AVX2 pass's workers that spinning took about as much CPU as its work (measured 11-28: 120 s of CPU
 # against 65 s for four of its files with the two cores busy). Its tests use no Prefect API, so it starts no shared
 # server (LORAFLOW_TESTS_PREFECT_ON_DEMAND, tests/conftest.py).
-test: $(STAMP)
+test: $(STAMP) browser
 	@numerics_log=$$(mktemp); \
 	setsid env OMP_WAIT_POLICY=PASSIVE LORAFLOW_TESTS_PREFECT_ON_DEMAND=1 $(PYTEST) -n 2 -m numerics --durations=10 > $$numerics_log 2>&1 & numerics=$$!; \
 	trap '[ -n "$$numerics" ] && kill -TERM -$$numerics 2>/dev/null; rm -f $$numerics_log' EXIT; \
