@@ -145,3 +145,17 @@ def test_summary_from_member_folders_as_a_parallel_launcher_leaves_them(tmp_path
     assert summary["members"][1]["final_loss"] == 0.5
     assert summary["lowest_final_loss"]["member"] == "1"
     assert "failed" in (sweep / "summary.md").read_text()
+
+
+def test_compare_orders_members_by_objective_with_optuna_and_leaves_out_failed_ones():
+    """hydra/sweeper=optuna: compare.png's columns run from the best objective (lowest) on; a failed member or
+    one without a report has no column; launch order otherwise."""
+    from flows.sweep_pictures import member_label, ordered
+
+    members = [{"member": "0", "objective": 0.9, "report": "r0", "swept": ["train.lr=1e-4"]},
+               {"member": "1", "status": "failed", "report": None},
+               {"member": "2", "objective": 0.4, "report": "r2", "swept": ["train.lr=3e-4"]},
+               {"member": "3", "objective": None, "report": "r3", "swept": []}]
+    assert [m["member"] for m in ordered(members, by_objective=True)] == ["2", "0", "3"]
+    assert [m["member"] for m in ordered(members, by_objective=False)] == ["0", "2", "3"]
+    assert member_label(members[2]) == "#2: train.lr=3e-4" and member_label(members[3]) == "#3: (defaults)"
