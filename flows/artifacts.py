@@ -167,12 +167,12 @@ class TrainingProgress:
     """Prefect's progress artifact of the train task, moved as steps finish (every 1 % at most)."""
 
     def __init__(self) -> None:
-        self.id, self.shown = None, -1.0
+        self.id, self.shown, self.failed = None, -1.0, False
 
     def __call__(self, step: int, max_steps: int) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-        if not _in_task():
+        if self.failed or not _in_task():  # an API that went away is tried once, not at every step
             return
         percent = round(100.0 * step / max(max_steps, 1), 0)
         if percent == self.shown:
@@ -185,6 +185,6 @@ class TrainingProgress:
                 update_progress_artifact(self.id, percent)
             self.shown = percent
         except Exception as e:  # noqa: BLE001
-            log.warning("could not update the training progress: %s", e)
-            self.id, self.shown = None, 101.0  # stop trying
+            log.warning("could not update the training progress (not tried again in this run): %s", e)
+            self.failed = True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+CODE_VERSION = "1"  # in the stored loss chart's key (tasks/publish.py): a change to the drawing draws it again
 WIDTH_IN, HEIGHT_IN, DPI = 8.0, 5.0, 100
 _NO_STAMP = {"Software": None}  # matplotlib writes its version otherwise: an upgrade would change the bytes
 

@@ -28,6 +28,7 @@ st = lazy("safetensors.torch")
 KOHYA_KIND = "lora_kohya"
 DIFFUSERS_KIND = "lora_diffusers"
 LYCORIS_KIND = "lora_lycoris"
+CHART_KIND = "loss_chart"  # loss.png of a stored LoRA (tasks/charts.py)
 
 
 def peft_from_diffusers(state_dict: dict) -> dict:
@@ -156,22 +157,30 @@ def publish(cfg: Config, plan: Plan, store: Store, run_dir: Path, lora: dict, sa
     grid = str(make_grid([Path(p) for p in paths], out / "grid.png", labels=labels)) \
         if paths and cfg.sample.grid else None
     main = files.get("lycoris") or files.get("diffusers") or files.get("kohya") or files["comfyui"]
-    chart = loss_png(cfg, run_dir, lora)
+    chart = loss_png(cfg, store, run_dir, lora)
     return {"lora": str(main), "lora_files": {k: str(v) for k, v in files.items()}, "samples": paths,
             "grid": grid, "sample_labels": [" · ".join(lines) for lines in labels][:len(paths)],
             "checkpoint_samples": _checkpoint_samples(out, lora.get("checkpoint_samples", {})),
             **({"loss_chart": str(chart)} if chart else {})}
 
 
-def loss_png(cfg: Config, run_dir: Path, lora: dict) -> Path | None:
+def loss_png(cfg: Config, store: Store, run_dir: Path, lora: dict) -> Path | None:
     """<run dir>/loss.png: the loss per step and its running mean over train.log_every steps (the log line's
-    mean), the validation loss, the learning rate of the run's schedule."""
+    mean), the validation loss, the learning rate of the run's schedule. Drawn once per LoRA and window and
+    kept in the store: a run whose nodes are all cached copies it (no matplotlib, numpy or torch imported)."""
     losses = lora.get("step_losses") or []
     if not losses:
         return None
     tc = cfg.train
-    return charts.loss_chart(run_dir / "loss.png", losses, tc.log_every, charts.lr_schedule(tc, len(losses)),
-                             lora.get("validation_loss"), title=f"{run_dir.name}: training loss")
+    key = key_of({"lora": lora["key"], "chart": charts.CODE_VERSION, "log_every": tc.log_every})
+    if not store.valid(CHART_KIND, key):
+        with store.tmp_dir("publish") as tmp:
+            path = charts.loss_chart(Path(tmp) / "loss.png", losses, tc.log_every, charts.lr_schedule(tc, len(losses)),
+                                     lora.get("validation_loss"))
+            store.put_file(CHART_KIND, key, path, meta={"lora": lora["key"]})
+    out = run_dir / "loss.png"
+    shutil.copyfile(store.get_path(CHART_KIND, key), out)
+    return out
 
 
 def _checkpoint_samples(out: Path, rendered: dict[str, list[dict]]) -> dict[str, list[str]]:
