@@ -61,14 +61,14 @@ def sweep_id(sweep_dir: str | Path) -> str:
 def name_this_run(name: str, tags: list[str]) -> None:
     """Renames the current flow run and adds `tags` to the ones it has."""
     from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
+    from prefect.context import FlowRunContext
 
     for noisy in ("httpx", "httpcore"):  # Hydra's logging config turns INFO on for every library
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        run = FlowRunContext.get().flow_run  # the engine's copy: one request (the update), not two
+        merged = list(dict.fromkeys([*(run.tags or []), *tags]))
         with get_client(sync_client=True) as client:
-            run = client.read_flow_run(flow_run.id)
-            merged = list(dict.fromkeys([*(run.tags or []), *tags]))
             client.update_flow_run(run.id, name=name, tags=merged)
     except Exception as e:  # noqa: BLE001
         log.warning("could not name the flow run: %s", e)
