@@ -20,7 +20,7 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap"), ("model", "dtype"): ("float32", "bfloat16", "float16"),
             ("export", "format"): ("kohya", "diffusers", "comfyui", "both"), ("sample", "generator_device"): ("cpu", "device"),
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
-            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"),
+            ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"), ("train", "shard"): ("none", "fsdp"),
             ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),
             ("train", "network"): ("lora", "dora", "loha", "lokr"), ("learning", "scorer"): (None, "shapes")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),

@@ -173,6 +173,11 @@ class TrainConfig:
     machine_rank: int = 0
     main_process_ip: Optional[str] = None
     main_process_port: Optional[int] = None
+    # none: every process holds the whole base (data parallel); fsdp: the frozen base sharded over the run's
+    # processes with torch's FSDP2, one unit per repeated block (tasks/training/sharding.py)
+    shard: str = "none"
+    # With train.shard=fsdp: the shards wait in host memory between uses (FSDP2's CPUOffloadPolicy)
+    shard_offload: bool = False
     log_with: str = "tensorboard"  # tensorboard: loss and lr in <run dir>/tensorboard | none
 
 

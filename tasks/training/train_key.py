@@ -33,7 +33,8 @@ CODE_VERSION = "4"  # 4: one generator per (step, batch position): the same draw
 _DEFAULTS = (("gradient_accumulation_steps", 1), ("timestep_sampling", "sigma"), ("noise_offset", 0.0), ("loss", "l2"),
              ("min_snr_gamma", None), ("network", "lora"), ("rslora", False), ("num_machines", 1),
              ("prior_loss_weight", 1.0), ("ema_decay", None), ("text_encoder_lr", None),
-             ("compile", False))  # compiled kernels round differently: another LoRA
+             ("compile", False),
+             ("shard", "none"), ("shard_offload", False))  # compiled kernels round differently: another LoRA
 
 
 def inputs(cfg: Config, plan: Plan, latent_keys: dict[str, str], text_keys: dict[str, str]) -> dict:
