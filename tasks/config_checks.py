@@ -12,7 +12,7 @@ from tasks.data.sizes import resolve_size
 from tasks.models import adapter_class
 from tasks.models.lora_variants import text_encoder_lora as te_lora
 from tasks.runtime import cuda_available
-from tasks.training import memory, validation_loss as validation, w8a8
+from tasks.training import memory, sharding, validation_loss as validation, w8a8
 from tasks.training.compiled_blocks import compile_errors
 
 _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_scheduler"):
@@ -204,7 +204,7 @@ def config_errors(cfg: Config) -> list[str]:
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg.model.family} samples DDPM "
                       f"timesteps: use train.timestep_sampling=sigma")
     errors += _loss_and_network_errors(cfg, adapter_cls) + memory.errors(cfg, adapter_cls) + subsets.subset_errors(cfg.data)
-    errors += validation.errors(cfg)
+    errors += validation.errors(cfg) + sharding.errors(cfg, adapter_cls)
     if cfg.sample.offload and not adapter_cls.swap_blocks:
         errors.append(f"sample.offload=true swaps the denoiser's transformer blocks in from the host; "
                       f"model.family={cfg.model.family} has none: set it to false")

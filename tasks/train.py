@@ -26,7 +26,8 @@ from tasks.plan import Plan
 from tasks.store import Store
 from tasks.store.hashing import key_of
 from tasks.store.stored_files import canonicalize_safetensors
-from tasks.training import batches, checkpoint_samples, checkpoints, interrupt, validation_loss as validation, w8a8
+from tasks.training import (batches, checkpoint_samples, checkpoints, interrupt, sharding, validation_loss as validation,
+                            w8a8)
 # the batch readers and draws (tests and tasks.training.distributed import these names from the node)
 from tasks.training.batches import (BatchLoader, Captions, Latents, batch_at, buckets_of,  # noqa: F401
                                     item_generators, my_share)
@@ -111,7 +112,10 @@ def train_lora(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_ke
     run.on_step = on_step or []
     _resume(run, trajectory)
     _train_steps(run, trajectory)
-    return _export(run, out_dir)
+    try:
+        return _export(run, out_dir)
+    finally:  # after the export: with train.shard=fsdp it gathers the LoRA over the process group this ends
+        run.accelerator.end_training()
 
 
 def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _Run:
@@ -127,12 +131,18 @@ def _set_up(cfg, plan, store, latent_keys, text_keys, run_dir, on_samples) -> _R
     seed = int(tc.seed)
     seed_everything(seed)
     tensorboard = run_dir / "tensorboard" if run_dir and tc.log_with == "tensorboard" else None
-    accelerator = make_accelerator(precision(cfg), tensorboard)
-    denoiser, named = prepare_denoiser(adapter, cfg)
+    accelerator = make_accelerator(precision(cfg), tensorboard, sharding.WAIT if sharding.sharded(cfg) else None)
+    if sharding.sharded(cfg):  # train.shard=fsdp: each process loads the base in turn and keeps its shard
+        denoiser, named, shard = sharding.load_sharded(accelerator, lambda: prepare_denoiser(adapter, cfg)[0],
+                                                       adapter, tc.shard_offload)
+    else:
+        (denoiser, named), shard = prepare_denoiser(adapter, cfg), None
+        denoiser.to(accelerator.device)
     encoders = texts.trained  # train.text_encoder_lr: LoRA'd after the denoiser (its initial weights as without)
     named, groups = te_lora.add_to_training(adapter, encoders, tc, named)
-    denoiser.to(accelerator.device)
     runtime = kernels(cfg, adapter, denoiser)
+    if shard:
+        runtime["shard"] = shard
     optimizer = accelerator.prepare_optimizer(make_optimizer(tc, groups))
     ema = make_ema(tc, named)  # train.ema_decay (None: off)
     lr_schedule = optimization.get_scheduler(tc.lr_scheduler, optimizer, num_warmup_steps=tc.warmup_steps,
@@ -236,7 +246,6 @@ def _train_steps(run: _Run, trajectory: str) -> None:
         progress.set_postfix(loss=f"{run.step_losses[-1]:.4f}", refresh=False)
         _after_step(run, step, trajectory, clock)
     progress.close()
-    run.accelerator.end_training()
     if len(seconds) > 1:  # compile time ~ the first step beyond a steady one (the first step's own warm-up too)
         steady = sorted(seconds[1:])[len(seconds[1:]) // 2]
         run.runtime["compile"].update(first_step_s=seconds[0], step_median_s=steady,
@@ -263,8 +272,8 @@ def _optimizer_step(run: _Run, batches, accum: int):
         accelerator.backward(part * weight)
         part = part.detach() * weight
         loss = loss + (accelerator.reduce(part, reduction="sum") if world > 1 else part)
-    if world > 1:  # the batch's gradient: the weighted per-process gradients, summed
-        sum_gradients(accelerator, params)
+    if world > 1 and "shard" not in run.runtime:  # the batch's gradient: the weighted per-process gradients,
+        sum_gradients(accelerator, params)  # summed (train.shard=fsdp: FSDP2 sums them in backward)
     if tc.max_grad_norm > 0:
         accelerator.clip_grad_norm_(params, tc.max_grad_norm)
     run.optimizer.step()
@@ -278,6 +287,7 @@ def _optimizer_step(run: _Run, batches, accum: int):
 def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
     """What falls due after an optimizer step: the log line, samples, the validation loss, a checkpoint, a stop."""
     tc, accelerator, main = run.tc, run.accelerator, run.main
+    everyone = "shard" in run.runtime  # train.shard=fsdp: what runs the denoiser or gathers runs on every process
     clock["window"].append(run.step_losses[-1])
     accelerator.log({"loss": run.step_losses[-1], "lr": run.lr_schedule.get_last_lr()[0]}, step=step)
     if (step % tc.log_every == 0 or step == tc.max_steps) and main:
@@ -291,18 +301,21 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
         tell(step, tc.max_steps)
     if run.sampler.due(step) and main:
         run.sampler(step, run.denoiser, checkpoint_key(trajectory, step))
-    if run.held and main and validation.due(step, tc.validate_every_n_steps, tc.max_steps):
+    if run.held and (main or everyone) and validation.due(step, tc.validate_every_n_steps, tc.max_steps):
         value = validation.score(run.adapter, run.denoiser, accelerator, run.held, *run.scoring[:2], tc,
                                  run.scheduler, run.scoring[2])
         run.val_losses.append({"step": step, "loss": value})
         accelerator.log({"validation_loss": value}, step=step)
-        log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,
+        if main:
+            log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,
                  tc.max_steps, value, len(run.held), validation.DRAWS)
     every, stop = tc.save_every_n_steps, interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
-    if ((every and step % every == 0) or step == tc.max_steps or stop) and main:
+    if everyone:  # every process stops at the same step (the checkpoint's gather is collective)
+        stop = sharding.agreed(stop, accelerator.device)
+    if ((every and step % every == 0) or step == tc.max_steps or stop) and (main or everyone):
         _save_checkpoint(run.store, checkpoint_key(trajectory, step), step, run.named, run.optimizer,
                          run.step_losses, run.sampler.rendered, accelerator.scaler, run.ema,
-                         run.val_losses if run.held else None)
+                         run.val_losses if run.held else None, write=main)
     if stop:
         interrupt.kept(f"a checkpoint of train step {step}/{tc.max_steps}")
         raise interrupt.Interrupted(stop)
@@ -311,11 +324,20 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
 
 def _export(run: _Run, out_dir: Path) -> dict | None:
     """The LoRA file (and the EMA's) from the main process, with what the node stores beside it."""
-    if not run.main:
+    if "shard" in run.runtime:  # gathered from every process's shard (collective), written by the main one
+        holder = run.adapter.lora_holder(run.denoiser)
+        states = [sharding.full_lora_state(holder), *([sharding.full_lora_state(holder, run.ema)] if run.ema else [])]
+        if not run.main:
+            return None
+        lora = te_lora.writer(run.adapter, run.denoiser, None, states[0])(out_dir)
+        extra = {"lora_ema": str(te_lora.writer(run.adapter, run.denoiser, None, states[1])(out_dir / "ema"))} \
+            if run.ema else {}
+    elif not run.main:
         return None
-    write = te_lora.writer(run.adapter, run.denoiser, run.encoders)  # with train.text_encoder_lr: the encoders' layers too
-    lora = write(out_dir)
-    extra = {"lora_ema": str(save_ema(run.named, run.ema, lambda: write(out_dir / "ema")))} if run.ema else {}
+    else:
+        write = te_lora.writer(run.adapter, run.denoiser, run.encoders)  # train.text_encoder_lr: the encoders' too
+        lora = write(out_dir)
+        extra = {"lora_ema": str(save_ema(run.named, run.ema, lambda: write(out_dir / "ema")))} if run.ema else {}
     return {"lora": lora, **extra, "step_losses": run.step_losses, "continued_from_step": run.start,
             "runtime": run.runtime,
             "checkpoint_samples": run.sampler.rendered, "sample_warnings": run.sampler.warnings,

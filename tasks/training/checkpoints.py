@@ -15,6 +15,7 @@ import math
 from tasks.store.hashing import key_of
 from tasks.lazy import lazy
 from tasks.store import Store
+from tasks.training.sharding import assign, full, like
 
 torch = lazy("torch")
 
@@ -49,17 +50,22 @@ def _number(v) -> bool:
 
 
 def save_checkpoint(store: Store, key: str, step: int, named: dict, optimizer, step_losses: list[float],
-                    samples: dict, scaler=None, ema=None, validation_loss: list[dict] | None = None) -> None:
+                    samples: dict, scaler=None, ema=None, validation_loss: list[dict] | None = None,
+                    write: bool = True) -> None:
+    """With train.shard=fsdp every process calls it (the whole tensors are gathered, a collective) and the
+    one with `write` stores them."""
     tensors, numbers = {"rng/torch": torch.get_rng_state()}, {}
     for name, p in named.items():
-        tensors[f"lora/{name}"] = p.detach().clone()
+        tensors[f"lora/{name}"] = full(p.detach()).clone()
         for k, v in optimizer.state.get(p, {}).items():
             if torch.is_tensor(v):
-                tensors[f"adam/{name}/{k}"] = v.detach().clone()
+                tensors[f"adam/{name}/{k}"] = full(v.detach()).clone()
             elif _number(v):  # a Python number stays one (an int step, a float: exact in JSON)
                 numbers.setdefault(name, {})[k] = v
         if ema is not None:
-            tensors[f"ema/{name}"] = ema[name].detach().clone()
+            tensors[f"ema/{name}"] = full(ema[name].detach()).clone()
+    if not write:
+        return
     meta = {"step": step, "losses": step_losses, "samples": samples}
     if validation_loss is not None:  # data.validation_split: the curve so far, for a resumed run's report
         meta["validation_loss"] = validation_loss
@@ -80,15 +86,15 @@ def load_checkpoint(store: Store, key: str, named: dict, optimizer, scaler=None,
     numbers = meta.get("optimizer_numbers", {})
     with torch.no_grad():
         for name, p in named.items():
-            p.copy_(tensors[f"lora/{name}"])
-            # moments follow the parameter's device; the step count stays a CPU scalar, as AdamW keeps it
-            state = {k.rsplit("/", 1)[1]: v.to(p.device) if v.dim() else v
-                     for k, v in tensors.items() if k.startswith(f"adam/{name}/")}
+            assign(p, tensors[f"lora/{name}"])  # (sharded: each process keeps its shard of the whole tensor)
+            # moments follow the parameter's device (and sharding); the step count stays a CPU scalar, as AdamW
+            # keeps it
+            state = {k.rsplit("/", 1)[1]: like(p, v) for k, v in tensors.items() if k.startswith(f"adam/{name}/")}
             state.update(numbers.get(name, {}))
             if state:
                 optimizer.state[p] = state
             if ema is not None:
-                ema[name].copy_(tensors[f"ema/{name}"])
+                assign(ema[name], tensors[f"ema/{name}"])
     for group, saved in zip(optimizer.param_groups, meta.get("optimizer_groups", [])):
         group.update(saved)
     torch.set_rng_state(tensors["rng/torch"])

@@ -30,16 +30,18 @@ def precision(cfg: Config) -> str:
     return "fp16" if cfg.model.dtype == "float16" else cfg.train.mixed_precision
 
 
-def make_accelerator(mixed_precision: str, log_dir: Path | None = None):
+def make_accelerator(mixed_precision: str, log_dir: Path | None = None, wait=None):
     """accelerate's Accelerator for this run's precision, device and processes (under `accelerate launch`
     it joins the process group: gloo on the CPU, nccl on GPUs). Its state is process-wide and refuses a
     different precision once set, so each training run starts it afresh. With `log_dir`, losses go to
-    TensorBoard through accelerate's tracker."""
+    TensorBoard through accelerate's tracker. `wait`: the process group's timeout (a timedelta; None: torch's)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     AcceleratorState._reset_state(True)
     return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                       kwargs_handlers=[InitProcessGroupKwargs(timeout=wait)] if wait else None,
                        log_with=[run_tensorboard("loraflow", log_dir)] if log_dir else None,
                        project_dir=str(log_dir) if log_dir else None)
 

@@ -98,10 +98,14 @@ def add_to_training(adapter, pipe, tc: TrainConfig, named: dict) -> tuple[dict, 
                                    {"params": list(encoders.values()), "lr": tc.text_encoder_lr}]
 
 
-def writer(adapter, denoiser, pipe):
+def writer(adapter, denoiser, pipe, state: dict | None = None):
     """folder -> the LoRA file written there: the denoiser's layers and, with `pipe` (trained encoders), each
-    encoder's as `text_encoder.*` / `text_encoder_2.*` with its own peft config (diffusers' save_lora_weights)."""
+    encoder's as `text_encoder.*` / `text_encoder_2.*` with its own peft config (diffusers' save_lora_weights).
+    `state`: the denoiser's peft state dict, already gathered (train.shard=fsdp), instead of its parameters'."""
     from peft.utils import get_peft_model_state_dict
+
+    def of(holder) -> dict:
+        return get_peft_model_state_dict(holder) if state is None else state
 
     def write(folder):
         extra = {} if pipe is None else {"text_encoders": {
@@ -110,8 +114,8 @@ def writer(adapter, denoiser, pipe):
         holder = adapter.lora_holder(denoiser)
         if lycoris.file_kind(peft_config(holder)):  # LoHa/LoKr: no diffusers LoRA file takes them
             return lycoris.save_peft(Path(folder) / "pytorch_lora_weights.safetensors",
-                                     get_peft_model_state_dict(holder), peft_config(holder), adapter.denoiser_subfolder)
-        return adapter.save_lora(get_peft_model_state_dict(holder), folder, peft_config(holder), **extra)
+                                     of(holder), peft_config(holder), adapter.denoiser_subfolder)
+        return adapter.save_lora(of(holder), folder, peft_config(holder), **extra)
     return write
 
 
