@@ -310,8 +310,8 @@ def _after_step(run: _Run, step: int, trajectory: str, clock: dict) -> None:
             log.info("train: step %4d/%d  validation loss %.4f (%d held-out item(s) x %d fixed draws)", step,
                  tc.max_steps, value, len(run.held), validation.DRAWS)
     every, stop = tc.save_every_n_steps, interrupt.stop_requested()  # stop: Ctrl-C/SIGTERM, at a step's end
-    if everyone:  # every process stops at the same step (the checkpoint's gather is collective)
-        stop = sharding.agreed(stop, accelerator.device)
+    if accelerator.num_processes > 1:  # every process stops after the same step (a sharded checkpoint's gather is
+        stop = sharding.agreed(stop, accelerator.device)  # collective; data parallel's next step would wait forever)
     if ((every and step % every == 0) or step == tc.max_steps or stop) and (main or everyone):
         _save_checkpoint(run.store, checkpoint_key(trajectory, step), step, run.named, run.optimizer,
                          run.step_losses, run.sampler.rendered, accelerator.scaler, run.ema,
@@ -366,7 +366,9 @@ def run(cfg: Config, plan: Plan, store: Store, latent_keys: dict, text_keys: dic
             if cfg.train.num_processes > 1 or cfg.train.num_machines > 1:
                 from tasks.training.distributed import launch_training, wait_for_lora
 
-                out = launch_training(cfg, plan, latent_keys, text_keys, Path(tmp), trajectory, run_dir, on_step)
+                # a signal asks every process to stop after the same step (checkpoint kept), then is raised again
+                out = interrupt.until_safe_point(launch_training, cfg, plan, latent_keys, text_keys, Path(tmp),
+                                                 trajectory, run_dir, on_step)
                 if out is None:  # a machine other than 0: machine 0 stores the LoRA
                     wait_for_lora(store, KIND, key)
             else:

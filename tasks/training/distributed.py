@@ -25,10 +25,12 @@ from typing import Callable
 from tasks.config import Config, as_plain, from_plain
 from tasks.config_schema import TrainConfig
 from tasks.plan import Plan
+from tasks.training import interrupt
 
 
 log = logging.getLogger("loraflow")
 RESULT = "result.json"
+STOP, STOPPED = "stop", "stopped.json"  # the parent asks the processes to stop; they say what they kept
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Artifact|Interrupt)(: |$)")
 _STEP_LINE = re.compile(r"train: step\s+(\d+)/(\d+)\s")  # the main process's log line (every train.log_every)
 
@@ -82,9 +84,17 @@ def launch_training(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []  # the workers' exception lines (torchrun's own summary follows them)
-    # Its own session, so that stopping it (error, interrupt) stops every training process it started.
+    # Its own session, so that stopping it (error) stops every training process it started; a terminal's Ctrl-C
+    # reaches the node only, which asks the processes through a file to stop after the same step (checkpoint kept)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+
+    def ask_to_stop(signum: int) -> None:
+        tmp = out_dir / f".{STOP}.tmp"
+        tmp.write_text(str(signum))
+        os.replace(tmp, out_dir / STOP)
+
+    interrupt.on_stop(ask_to_stop)
     try:
         for line in proc.stdout:
             tail.append(line.rstrip())
@@ -96,9 +106,15 @@ def launch_training(cfg: Config, plan: Plan, latent_keys: dict, text_keys: dict,
                     tell(int(m.group(1)), int(m.group(2)))
         code = proc.wait()
     finally:
+        interrupt.off_stop(ask_to_stop)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    if code == 0 and (out_dir / STOPPED).is_file():  # stopped on request after a step, its checkpoint stored
+        stopped = json.loads((out_dir / STOPPED).read_text())
+        for text in stopped["kept"]:
+            interrupt.kept(text)
+        raise interrupt.Interrupted(stopped["signum"])
     if code != 0:
         cause = errors[-1] if errors else "see the lines below"  # the last: the outermost of a chain
         raise RuntimeError(f"train.num_processes={n}: the training processes failed (exit {code}): {cause}\n"
@@ -120,9 +136,19 @@ def run_worker(job_file: str, train_lora: Callable[..., dict | None]) -> None:
     cfg = from_plain(job["cfg"])
     store = open_store(cfg.store)
     out_dir = Path(job["out_dir"])
-    out = train_lora(cfg, Plan.from_stored(job["plan"]), store, job["latent_keys"], job["text_keys"], out_dir,
-                           job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
+    interrupt.watch(out_dir / STOP)
+    try:
+        out = train_lora(cfg, Plan.from_stored(job["plan"]), store, job["latent_keys"], job["text_keys"], out_dir,
+                         job["trajectory"], Path(job["run_dir"]) if job["run_dir"] else None)
+    except interrupt.Interrupted as e:  # every process stopped after the same step; one of each machine says so
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _write_json(out_dir / STOPPED, {"signum": e.signum, "kept": interrupt.kept_items()})
+        return
     if out is not None:  # the main process
-        tmp = out_dir / f".{RESULT}.tmp"
-        tmp.write_text(json.dumps({**out, "lora": str(out["lora"])}))
-        os.replace(tmp, out_dir / RESULT)
+        _write_json(out_dir / RESULT, {**out, "lora": str(out["lora"])})
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)

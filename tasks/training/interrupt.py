@@ -19,7 +19,7 @@ import contextvars
 import signal
 import threading
 
-_state = {"signum": 0, "kept": []}
+_state = {"signum": 0, "kept": [], "file": None, "on_stop": []}
 
 
 class Interrupted(BaseException):
@@ -31,11 +31,38 @@ class Interrupted(BaseException):
 
 
 def request_stop(signum: int = signal.SIGINT) -> None:
+    first = not _state["signum"]
     _state["signum"] = _state["signum"] or int(signum)
+    for tell in list(_state["on_stop"]) if first else ():
+        tell(_state["signum"])
 
 
 def stop_requested() -> int:
+    if not _state["signum"] and _state["file"]:  # a process of a multi-process run: asked through a file
+        try:
+            _state["signum"] = int(open(_state["file"]).read().strip() or signal.SIGINT)
+        except (FileNotFoundError, ValueError):
+            pass
     return _state["signum"]
+
+
+def watch(path) -> None:
+    """A training process started by the node (tasks/training/distributed.py): its parent asks it to stop by writing
+    the signal's number to `path` (the processes run in a session of their own; a terminal's Ctrl-C does not reach
+    them, so all of them stop after the same step, their checkpoint stored)."""
+    _state["file"] = str(path)
+
+
+def on_stop(tell) -> None:
+    """tell(signum) when a stop is first requested in this process (the node's launcher passes it on)."""
+    _state["on_stop"].append(tell)
+    if _state["signum"]:
+        tell(_state["signum"])
+
+
+def off_stop(tell) -> None:
+    if tell in _state["on_stop"]:
+        _state["on_stop"].remove(tell)
 
 
 def _signum_of(exc: BaseException) -> int:
@@ -100,4 +127,4 @@ def kept_items() -> list[str]:
 
 
 def reset() -> None:
-    _state.update(signum=0, kept=[])
+    _state.update(signum=0, kept=[], file=None, on_stop=[])
