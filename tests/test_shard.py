@@ -82,9 +82,10 @@ def _lora(tmp_path, name) -> bytes:
     return Path(json.loads((tmp_path / name / "report.json").read_text())["artifacts"]["lora"]).read_bytes()
 
 
-def test_ctrl_c_stops_every_process_after_one_step_and_resume_gives_the_uninterrupted_bytes(tmp_path):
+@pytest.mark.parametrize("shard", ["fsdp", "none"])  # sharded, and data parallel's processes alike
+def test_ctrl_c_stops_every_process_after_one_step_and_resume_gives_the_uninterrupted_bytes(tmp_path, shard):
     common = [f"data.dir={REPO / 'data' / 'demo'}", "train.max_steps=40", "train.log_every=1", "train.batch_size=4",
-              "sample.steps=2", "train.num_processes=2", SHARD]
+              "sample.steps=2", "train.num_processes=2", f"train.shard={shard}"]
     first = _cli(tmp_path, "first", [f"store.root={tmp_path / 'store'}", *common], start_new_session=True)
     seen = []
     for line in first.stdout:

@@ -70,7 +70,9 @@ def plan_loading(adapter, cfg: Config, skip: tuple[str, ...]) -> WeightLoading |
     """The train node's loading plan for this config (see the module doc); None: from_pretrained whole in the
     compute dtype on the host, stored low afterwards (the path named "bf16-then-quantize")."""
     stored = stored_as(cfg.model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # train.shard=fsdp: into host memory; FSDP2 moves each block to the GPU as it shards it (a base that needs
+    # sharding fits no single card whole)
+    device = "cuda" if torch.cuda.is_available() and cfg.train.shard != "fsdp" else "cpu"
     if stored and cfg.train.network == "dora":
         return None
     plan = WeightLoading(stored or None, skip, device, w8a8.resolve(cfg.model))
