@@ -92,8 +92,6 @@ def _check_ranges(cfg: Config) -> list[str]:
         ("runner", "shard_size", lambda v: isinstance(v, int) and v > 0, "a number of items > 0, or null (4 shards a worker)"),
         ("data", "bucket_max_aspect", finite, "a finite number >= 1"),
         ("model", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
-        # FluxPipeline and StableDiffusion3Pipeline refuse a T5 length above 512
-        ("model", "max_sequence_length", lambda v: v <= 512, "at most 512"),
         # DDIM (sd15) refuses more steps than its 1000 training timesteps
         ("sample", "steps", lambda v: v <= MAX_STEPS, f"at most {MAX_STEPS}"),
         ("sample", "seed", lambda v: 0 <= v <= MAX_SEED, "in 0..2**64-1 (torch's seed range)"),
@@ -199,6 +197,9 @@ def config_errors(cfg: Config) -> list[str]:
     except ConfigError as e:
         return errors + [str(e)]
     errors += check_sizes(cfg, adapter_cls.size_multiple) + augment.errors(cfg.data, cfg.text)
+    most, tokens = adapter_cls.max_text_tokens, cfg.model.max_sequence_length
+    if isinstance(tokens, int) and tokens > most:  # the family's pipeline refuses more (adapter.max_text_tokens)
+        errors.append(f"model.max_sequence_length={tokens}: must be at most {most} for model.family={cfg.model.family}")
     if cfg.train.timestep_sampling != "sigma" and not adapter_cls.flow_matching:
         errors.append(f"train.timestep_sampling={cfg.train.timestep_sampling}: flow-matching families only "
                       f"(Flux, SD3, Z-Image, Qwen-Image, FLUX.2 [klein]); {cfg.model.family} samples DDPM "

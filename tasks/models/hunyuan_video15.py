@@ -83,6 +83,7 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     latent_version = "2"  # a latent is stored with the frame rate it was taken at ("fps")
     size_multiple = 16  # VAE /16 (vae_scale_factor_spatial), 1x1 patches
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
+    max_text_tokens = 1000  # the pipeline's tokenizer_max_length (Qwen2.5-VL), its preset's model.max_sequence_length
     pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
     # the text encoders' pipeline: the text-to-video one for image-to-video too (the same encode_prompt, "Copied
     # from" it), so caching text loads no image encoder

@@ -95,6 +95,7 @@ class LTX2Adapter(TransformerAdapter):
     vae_tiling = {"use_framewise_encoding": True, "use_framewise_decoding": True}
     size_multiple = 32  # VAE /32 (vae_spatial_compression_ratio), 1x1 patches
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
+    max_text_tokens = 1024  # LTX2Pipeline's default window (Gemma 3; a multiple of the connectors' 128 registers)
     pipeline_cls = LazyClass("diffusers", "LTX2Pipeline")
     denoiser_cls = LazyClass("diffusers", "LTX2VideoTransformer3DModel")
     denoiser_subfolder = "transformer"

@@ -19,6 +19,7 @@ _SAMPLE_PARTS = dict(text_encoder=None, tokenizer=None, **_SAFE)
 
 class QwenImageAdapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
+    max_text_tokens = 1024  # QwenImagePipeline refuses a max_sequence_length above 1024 (the Edit presets use it)
     family = "qwenimage"
     original_layout = "diffusers"  # loraflow-lora merge --into-base --layout original
     kohya = KohyaLayout("networks.lora_qwen_image", "qwen_image", names="named")  # musubi-tuner's layout

@@ -281,6 +281,9 @@ class FamilyAdapter(ABC):
     # train.blocks_to_swap: the denoiser's block lists, in the order they run (tasks/training/block_swap.py);
     # () = none to swap (the UNets: the setting is refused)
     swap_blocks: tuple[str, ...] = ()
+    # The most text tokens model.max_sequence_length may ask for (FluxPipeline and StableDiffusion3Pipeline refuse a
+    # T5 length above 512); a family whose pipeline reads more declares its own
+    max_text_tokens: int = 512
     clips: Clips | None = None  # a video family's clips; None: an image family
     # data.vae_tiling: attributes set on the VAE after diffusers' enable_tiling (tile sizes, temporal tiling flags);
     # {}: diffusers' defaults. In a tiled latent's key (tasks/data/vae_tiling.py)
