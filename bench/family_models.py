@@ -67,7 +67,10 @@ def model_table() -> dict:
 def parse(options: str) -> dict:
     parts = options.split("+")
     swap = next((int(p[4:]) for p in parts if re.fullmatch(r"swap\d+", p)), 0)
-    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap, "offload": "offload" in parts}
+    # +fsdpN: train.shard=fsdp over N processes, batch N (one item each); +shardoffload: train.shard_offload (issue 63)
+    shards = next((int(p[4:]) for p in parts if re.fullmatch(r"fsdp\d+", p)), 1)
+    return {"store": parts[0], "ckpt": "ckpt" in parts, "swap": swap, "offload": "offload" in parts,
+            "shards": shards, "shard_offload": "shardoffload" in parts}
 
 
 def random_adapter(model: str, device):
@@ -142,7 +145,9 @@ def train_config(opts: dict, text_len: int, rank: int, frames: int = 1) -> Confi
                   "quantize": store if store in ("fp8", "int8", "nf4") else "none", "max_sequence_length": text_len},
         "train": {"rank": rank, "alpha": None, "target_modules": None, "batch_size": 1, "optimizer": "adamw",
                   "mixed_precision": "bf16", "gradient_checkpointing": opts["ckpt"], "blocks_to_swap": opts["swap"],
-                  "gradient_checkpointing_offload": opts.get("offload", False)}})
+                  "gradient_checkpointing_offload": opts.get("offload", False),
+                  **({"shard": "fsdp", "num_processes": opts["shards"], "batch_size": opts["shards"],
+                      "shard_offload": opts.get("shard_offload", False)} if opts.get("shards", 1) > 1 else {})}})
 
 
 @functools.lru_cache(maxsize=64)

@@ -3,6 +3,7 @@
     python -m bench.memory [--out bench/memory.json] [--rank 16] [--only bf16,fp8+ckpt]
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]   # Qwen-Image, FLUX.2 [dev], FLUX.1-dev rows
     python -m bench.memory --nodes [--only flux2_dev:cache_text:nf4,...]  # cache_text, sample, cache_latents rows
+    python -m bench.memory_shard [--only flux2_dev:bf16+ckpt+fsdp2,...]  # +fsdpN rows (per process) and multi-GPU cards
 
 Weights: the exact bytes of the model the train node prepares (bench/gpu.py `build`, i.e.
 tasks.training.train_setup.prepare_denoiser: peft LoRA on the Flux adapter's default targets, fp32 LoRA, the fp8 base of
@@ -201,7 +202,8 @@ def main(argv=None) -> int:
         old = json.loads(Path(args.out).read_text())
         doc["configs"] = rows + [r for r in old.get("configs", []) if ":" in r["name"]]
         doc.update({k: old[k] for k in ("family_goals", "cards", "train_cards", "run_cards", "run_goals",
-                                        "families_seconds", "nodes_seconds") if k in old})
+                                        "families_seconds", "nodes_seconds", "shard_cards", "shard_run_cards",
+                                        "shard_links_gb_s", "shard_seconds") if k in old})
     Path(args.out).write_text(json.dumps(doc, indent=1, default=list))
     print("\n" + table(rows) + f"\n\nwrote {args.out} in {doc['total_seconds']:.0f} s")
     return 0 if check is None or check["all_equal"] else 1

@@ -7,7 +7,8 @@ video stream; the audio stream one token, as tasks/models/ltx2.py trains) at 768
     python -m bench.memory --families [--only qwenimage:nf4+ckpt,...]
 
 Options: `bf16` | `fp8` | `int8` | `nf4` (the base as stored), `+ckpt` (gradient checkpointing), `+offload`
-(train.gradient_checkpointing_offload: the checkpointed inputs in host memory), `+swapN` (train.blocks_to_swap=N).
+(train.gradient_checkpointing_offload: the checkpointed inputs in host memory), `+swapN` (train.blocks_to_swap=N),
+`+fsdpN` (train.shard=fsdp over N processes, per process; `+shardoffload`: train.shard_offload; bench/memory_shard.py).
 Per row:
 - measured_gib: what the device holds during a step: the weights that stay (each quantized Linear's bytes
   are those of torchao's own tensor of that shape, quantized here from real random weights; the fp8 and bf16
@@ -50,7 +51,7 @@ ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+sw
         "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
         "wan14b_81f:nf4+ckpt+offload+swap11",
         "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt",
-        *I2V_ROWS)
+        *I2V_ROWS)  # the sharded +fsdpN rows: python -m bench.memory_shard (derived from these)
 
 
 def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
@@ -230,7 +231,7 @@ def main(out: Path, only: str | None, run_cards=None) -> int:
     doc = json.loads(out.read_text()) if out.exists() else {"configs": []}
     kept = [{"host_gib": 0.0, **r} for r in doc.get("configs", []) if r["name"] not in {n["name"] for n in new}]
     doc["configs"] = kept + new
-    every = [r for r in doc["configs"] if r["name"].count(":") == 1]  # the train rows (node rows: two colons)
+    every = [r for r in doc["configs"] if r["name"].count(":") == 1 and "+fsdp" not in r["name"]]  # one card's train rows
     doc["family_goals"] = {m: {"limit_gib": g, "best": min((r for r in every if r["name"].startswith(m + ":")),
                                                            key=lambda r: r["measured_gib"], default={}).get("name"),
                                "meets": any(r["measured_gib"] <= g for r in every if r["name"].startswith(m + ":"))}

@@ -384,14 +384,14 @@ def row(name: str, root: Path) -> dict:
 
 
 # -- the whole run per card ------------------------------------------------------------------------------------------
-def run_advice(model: str, root: Path, card_gb: int, copies: int = 1, ram_gb: float | None = None) -> dict:
+def run_advice(model: str, root: Path, card_gb: int, copies: int = 1, ram_gb: float | None = None, ladder=None) -> dict:
     """Each node's first setting (its ladder) whose preflight leaves MARGIN_GIB free on the card (and fits `ram_gb`
     of host RAM): {"setting": {node: options}, "nodes": {node: (device, host)}, "peak_gb", "host_gb"} or, where a
     node fits nothing, {"setting": None, "stuck": node}."""
     from bench.memory_families import LADDER
     from tasks import run_memory
     from tasks.config import updated
-    from tasks.training.host_memory import PROCESS_GB
+    from tasks.training.host_memory import host_need
     from tasks.training.memory import block_order, estimate, family_factors, header_shapes, lora_targets
 
     folder = write_model(model, root)
@@ -403,12 +403,12 @@ def run_advice(model: str, root: Path, card_gb: int, copies: int = 1, ram_gb: fl
     n_blocks = copies * len(block_order(shapes, adapter.swap_blocks))
     ok = lambda e: e["device_gb"] <= budget and (ram_gb is None or e["host_gb"] <= ram_gb)  # noqa: E731
     out, cfg = {"setting": {}, "nodes": {}}, None
-    for options in [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:
+    for options in ladder or [*LADDER, *(f"nf4+ckpt+offload+swap{n}" for n in range(1, n_blocks + 1))]:  # `ladder`: fsdp
         c = train_config(parse(options), TEXT_LEN, 16, frames)
         est = estimate(c, folder, "transformer", lora_targets(c.train, adapter), size, TEXT_LEN,
                        adapter.denoiser_cls, adapter.swap_blocks, copies, geometry=adapter.activation_geometry,
                        factors=family_factors(adapter))
-        node = {"device_gb": est["total_gb"], "host_gb": PROCESS_GB + est["host_gb"] + loading}
+        node = {"device_gb": est["total_gb"], "host_gb": host_need(c, est, loading)["host_need_gb"]}  # fsdp: the machine
         if ok(node):
             out["setting"]["train"], out["nodes"]["train"], cfg = options, node, c
             break

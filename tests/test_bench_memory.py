@@ -65,7 +65,7 @@ def test_big_base_rows_meet_their_goals_and_the_preflight_holds(tmp_path):
     from bench import memory_families
 
     rows = [r for r in json.loads(MEASURED.read_text())["configs"] if r["name"].count(":") == 1]  # node rows: two
-    assert {r["name"] for r in rows} == set(memory_families.ROWS)
+    assert {r["name"] for r in rows if "+fsdp" not in r["name"]} == set(memory_families.ROWS)  # sharded: test_shard_memory
     for r in rows:
         est = memory_families.preflight(r["name"], tmp_path, r["resolution"], r["text_tokens"], r["rank"])
         assert est["total_gb"] == pytest.approx(r["preflight_gib"], rel=1e-12), r["name"]  # same sums, same order

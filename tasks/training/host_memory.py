@@ -33,6 +33,9 @@ def loading_gb(cfg: Config, shapes: dict[str, list[int]], file_bytes: dict[str, 
 
 
 def host_need(cfg: Config, estimate: dict, loading: float) -> dict:
+    if cfg.train.shard == "fsdp":  # one machine's processes, loading one after another (tasks/training/shard_memory.py)
+        from tasks.training.shard_memory import machine_host
+        return machine_host(cfg, estimate, loading, PROCESS_GB)
     need = PROCESS_GB + estimate["host_gb"] + loading
     return {"host_need_gb": need, "host_loading_gb": loading}
 
@@ -58,7 +61,8 @@ def _fitting(cfg: Config, host_gb: float, device_gb: float | None, estimate_for,
     swap = cfg.train.blocks_to_swap or 0
     offload = bool(cfg.train.gradient_checkpointing_offload)
     current = stored_as(cfg.model) or "none"
-    kinds = [k for k in ("none", "fp8", "int8", "nf4") if _rank(k) >= _rank(current)]
+    kinds = [k for k in ("none", "fp8", "int8", "nf4") if _rank(k) >= _rank(current)
+             and not (k == "int8" and cfg.train.shard == "fsdp")]  # int8 cannot shard
     for kind in kinds:
         for off in ([False, True] if offload else [False]):
             for n in range(0, max_swap + 1):
@@ -126,6 +130,6 @@ def preflight(cfg: Config, adapter, size: tuple[int, int], estimate: dict, cuda:
                            adapter.swap_blocks, adapter.denoisers, geometry=adapter.activation_geometry,
                            factors=family_factors(adapter))
 
-    blocks = adapter.denoisers * len(block_order(shapes, adapter.swap_blocks))  # the experts share names
+    blocks = 0 if cfg.train.shard == "fsdp" else adapter.denoisers * len(block_order(shapes, adapter.swap_blocks))
     gb, source = available or host_available_gb()
     return check(cfg, estimate, loading, gb, source, estimate_for, blocks)

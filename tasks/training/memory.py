@@ -21,7 +21,7 @@ from typing import NamedTuple
 from tasks.config import Config, stored_as, updated
 from tasks.config_schema import TrainConfig
 from tasks.runtime import cuda_available
-from tasks.training import w8a8
+from tasks.training import shard_memory, w8a8
 
 GB = 1024 ** 3
 # Saved values per token x width, measured (bench/memory.json; 1024 px / 512 px):
@@ -248,14 +248,15 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     lora_bytes = lora * (4 + 4 + optimizer_bytes_per_param + ema_bytes)  # fp32 weights + grads + optimizer states
     tokens, width, blocks = geometry(config, size, text_tokens, cfg.data.frames)
     act_dtype = 2 if tc.mixed_precision in ("bf16", "fp16") else DTYPE_BYTES[mc.dtype]
-    unit = tokens * width * act_dtype * tc.batch_size
+    items = shard_memory.items_per_rank(tc)  # this process's share of the batch (data parallel, fsdp)
+    unit = tokens * width * act_dtype * items
     f = Factors(*(factors or activation_factors(config)))
     if tc.gradient_checkpointing and tc.gradient_checkpointing_offload:
         # each block's input (one token x width value each) waits on the host; one is back for its recompute (what
         # else comes back with it, TI2V-5B's timestep embedding, is in the family's in_flight); the host holds a copy
         # of every block's inputs (Factors)
         activations = (blocks * (f.ckpt_input - 1) + 1 + f.recompute) * unit
-        host_bytes += blocks * (f.offloaded * unit + f.text_offloaded * text_tokens * width * act_dtype * tc.batch_size)
+        host_bytes += blocks * (f.offloaded * unit + f.text_offloaded * text_tokens * width * act_dtype * items)
     elif tc.gradient_checkpointing:
         activations = (blocks * f.ckpt_input + f.recompute) * unit
     else:
@@ -265,9 +266,11 @@ def estimate(cfg: Config, model_dir: Path, denoiser_folder: str, targets: list[s
     upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored
     transient = max(f.in_flight * unit, UPCAST_BYTES.get(upcast, 0.0) * largest - lora * 4)
     total = held_bytes + lora_bytes + activations + transient
-    return {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
-            "activations_gb": activations / GB, "transient_gb": transient / GB, "total_gb": total / GB,
-            "host_gb": host_bytes / GB}
+    out = {"params": params, "lora_params": lora, "weights_gb": held_bytes / GB, "lora_and_optimizer_gb": lora_bytes / GB,
+           "activations_gb": activations / GB, "transient_gb": transient / GB, "total_gb": total / GB,
+           "host_gb": host_bytes / GB}  # train.shard=fsdp: one process's (tasks/training/shard_memory.py)
+    return shard_memory.per_rank(out, tc, shapes, per_weight, swap_lists, lambda s: lora_params(s, targets, tc.rank)) \
+        if shard_memory.sharded(tc) else out
 
 
 def errors(cfg: Config, adapter_cls) -> list[str]:
@@ -337,10 +340,10 @@ def _with(cfg: Config, changes: list[tuple]) -> Config:
                    | ({"model.storage_dtype": None} if quantized else {}))
 
 
-def fitting_settings(cfg: Config, budget_gb: float, estimate_fn, max_swap: int = 0) -> list[str]:
+def fitting_settings(cfg: Config, budget_gb: float, estimate_fn, max_swap: int = 0, remedies=REMEDIES) -> list[str]:
     """What would fit the budget: each remedy alone that does; else checkpointing + 8-bit AdamW with the fewest
     blocks swapped (up to `max_swap`) and, at that count, the least quantized base (as is, fp8, int8, nf4)."""
-    open_ = [r for r in REMEDIES if getattr(getattr(cfg, r[1][0]), r[1][1]) != r[2] and not (
+    open_ = [r for r in remedies if getattr(getattr(cfg, r[1][0]), r[1][1]) != r[2] and not (
         r[1][1] == "quantize" and stored_as(cfg.model) in ("int8", "nf4") and r[2] == "fp8")]
     fits = []
     for r in open_:
@@ -382,13 +385,14 @@ def preflight(cfg: Config, adapter, size: tuple[int, int]) -> dict:
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est.update(budget_gb=None if budget == float("inf") else budget, budget_source=source)
     if est["total_gb"] > budget:
-        blocks = adapter.denoisers * len(block_order(header_shapes(Path(adapter.model_dir) / adapter.denoiser_subfolder),
-                                                     adapter.swap_blocks))
-        fits = fitting_settings(cfg, budget, estimate_for, blocks)
-        hint = ("would fit: " + "; ".join(fits)) if fits else (
+        blocks = 0 if shard_memory.sharded(cfg.train) else adapter.denoisers * len(block_order(header_shapes(
+            Path(adapter.model_dir) / adapter.denoiser_subfolder), adapter.swap_blocks))  # fsdp: no swap
+        fits = fitting_settings(cfg, budget, estimate_for, blocks, shard_memory.remedies(cfg, REMEDIES))
+        hint = ("would fit: " + "; ".join(fits)) if fits else shard_memory.nothing_fits(cfg) or (
             "nothing in train.gradient_checkpointing (+_offload), train.optimizer=adamw8bit, model.quantize=fp8|int8|nf4, "
             f"train.blocks_to_swap (up to {blocks}) or train.batch_size=1 fits: use a smaller data.resolution or a "
             "bigger device")
+        hint += shard_memory.hint(cfg, adapter, budget, estimate_for)  # beside them: a shard count that fits
         raise ConfigError(
             f"training will not fit in memory: about {est['total_gb']:.1f} GiB needed (weights {est['weights_gb']:.1f}, "
             f"LoRA + optimizer {est['lora_and_optimizer_gb']:.2f}, activations {est['activations_gb']:.1f} at "
