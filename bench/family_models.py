@@ -162,12 +162,27 @@ def quantized_bytes(shape: tuple, store: str) -> int:
     return stored_nbytes(q) if q is not None else 2 * torch.Size(shape).numel()
 
 
+def stored_size(module, name: str, p, path: str, store: str, skip) -> int:
+    """Bytes of one parameter as training stores it with `store` (bf16 | fp8 | int8 | nf4): torchao's own tensors' for
+    a quantized Linear weight, one a value for fp8, else bf16's two."""
+    import torch
+
+    from tasks.training.fp8_base import CASTABLE, skipped
+
+    if name == "weight" and isinstance(module, CASTABLE) and not skipped(path, skip):
+        if store in ("int8", "nf4") and isinstance(module, torch.nn.Linear):
+            return quantized_bytes(tuple(p.shape), store)
+        if store == "fp8":
+            return p.numel()
+    return p.numel() * 2
+
+
 def weights(model: str, opts: dict) -> dict:
     """(device bytes, host bytes) of the base weights as training holds them with these options."""
     import torch
 
     from tasks.training.block_swap import blocks
-    from tasks.training.fp8_base import CASTABLE, skipped
+    from tasks.training.fp8_base import CASTABLE
     from tasks.training.memory import layerwise_skip_patterns
 
     adapter, cls, _ = random_adapter(model, torch.device("meta"))
@@ -178,12 +193,7 @@ def weights(model: str, opts: dict) -> dict:
     device = host = in_flight = 0
     for path, module in den.named_modules():
         for name, p in module.named_parameters(recurse=False):
-            size = p.numel() * 2
-            if name == "weight" and isinstance(module, CASTABLE) and not skipped(path, skip):
-                if store in ("int8", "nf4") and isinstance(module, torch.nn.Linear):
-                    size = quantized_bytes(tuple(p.shape), store)
-                elif store == "fp8":
-                    size = p.numel()
+            size = stored_size(module, name, p, path, store, skip)
             if name == "weight" and isinstance(module, CASTABLE) and id(module) in swapped:
                 host += size
                 in_flight = max(in_flight, p.numel() * 2)

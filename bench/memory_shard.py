@@ -74,8 +74,7 @@ def unit_bytes(model: str, store: str, rank: int = 16) -> dict:
     them (torchao's tensors' own bytes), each unit's LoRA fp32 weights and their gradients."""
     import torch
 
-    from bench.family_models import quantized_bytes, random_adapter, train_config
-    from tasks.training.fp8_base import CASTABLE, skipped
+    from bench.family_models import random_adapter, stored_size, train_config
     from tasks.training.memory import layerwise_skip_patterns, lora_params, lora_targets
     from tasks.training.shard_memory import units
 
@@ -86,13 +85,7 @@ def unit_bytes(model: str, store: str, rank: int = 16) -> dict:
     for path, module in den.named_modules():
         for name, p in module.named_parameters(recurse=False):
             full = f"{path}.{name}" if path else name
-            size = p.numel() * 2
-            if name == "weight" and isinstance(module, CASTABLE) and not skipped(path, skip):
-                if store in ("int8", "nf4") and isinstance(module, torch.nn.Linear):
-                    size = quantized_bytes(tuple(p.shape), store)
-                elif store == "fp8":
-                    size = p.numel()
-            per_weight[full], shapes[full] = size, list(p.shape)
+            per_weight[full], shapes[full] = stored_size(module, name, p, path, store, skip), list(p.shape)
     tc = train_config({"store": store, "ckpt": True, "swap": 0}, 512, rank).train
     targets = lora_targets(tc, adapter)
     blocks, root = units(shapes, per_weight, tuple(adapter.swap_blocks), lambda s: lora_params(s, targets, rank))
