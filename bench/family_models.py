@@ -38,12 +38,24 @@ WAN22_TI2V_5B = {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim"
 CLIP_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches + the class token (the penultimate layer's states)
 
 
+def declared() -> dict:
+    """{row prefix: (family, RealSize)} of every full-size model the registry's families declare (issue 64 item 4:
+    a family's knowledge in its own files; tasks/models/bases/real_size.py)."""
+    from tasks.models import FAMILIES, adapter_class
+
+    return {rs.name: (f, rs) for f in FAMILIES for rs in adapter_class(f).real_sizes}
+
+
 def geometry(model: str, resolution: int) -> tuple[tuple[int, int], int]:
+    if model in declared():
+        rs = declared()[model][1]
+        return rs.size or (resolution, resolution), rs.frames
     return GEOMETRY.get(model, ((resolution, resolution), 1))
 
 
 def model_table() -> dict:
     from bench.flux_train import FLUX_DEV
+    from tasks.models import FAMILIES
 
     # (adapter, denoiser class, config): the class defaults are Qwen/Qwen-Image's and FLUX.2-dev's configs
     return {"flux_dev": ("tasks.models.flux:FluxAdapter", "FluxTransformer2DModel", FLUX_DEV),
@@ -61,7 +73,8 @@ def model_table() -> dict:
                 (("wan21_i2v_14b", "wan21_i2v_14b_33f"), "tasks.models.wan_i2v:WanI2VAdapter", WAN21_I2V_14B),
                 (("wan22_i2v_a14b", "wan22_i2v_a14b_33f"), "tasks.models.wan22_i2v:Wan22I2VAdapter", WAN22_I2V_A14B),
                 (("wan22_ti2v_5b", "wan22_ti2v_5b_49f"), "tasks.models.wan22_ti2v:Wan22TI2VAdapter", WAN22_TI2V_5B))
-               for name in names}}
+               for name in names},
+            **{name: (FAMILIES[f][0], rs.denoiser, rs.arch) for name, (f, rs) in declared().items()}}
 
 
 def parse(options: str) -> dict:
@@ -102,6 +115,12 @@ def batch_inputs(model: str, config: dict, resolution: int, text_len: int):
 
     def z(*shape):
         return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    if model in declared():  # the family's own shapes (FamilyAdapter.bench_batch)
+        from tasks.models import adapter_class
+
+        size, frames = geometry(model, resolution)
+        return adapter_class(declared()[model][0]).bench_batch(config, size, frames, text_len)
 
     if model == "flux_dev":
         from bench.flux_train import inputs

@@ -27,8 +27,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FAMILIES = ("flux", "flux_kontext", "sd3", "sdxl", "sd15", "zimage", "qwenimage", "qwenimage_edit", "flux2_klein",
-            "flux2_dev", "wan", "wan22", "ltx2", "hunyuan_video15")
+
+
+def _families() -> tuple[str, ...]:
+    """The registry's families (tasks/models/__init__.py), but the image-to-video ones: each of their sample prompts
+    needs a first frame (--i), which no variant's prompts file here gives."""
+    from tasks.models import FAMILIES as REGISTRY, adapter_class
+
+    return tuple(f for f in REGISTRY if not adapter_class(f).controls.first_frame)
+
+
+FAMILIES = _families()
 # name -> overrides: each memory option a user of one GPU would pick (train.num_processes stays 1 = the GPUs
 # of the lent machine; model.dtype=float16 trains under accelerate's fp16 loss scaling, tasks/training/train_setup.py)
 VARIANTS = {

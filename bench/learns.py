@@ -35,7 +35,8 @@ from PIL import Image
 
 from bench.file_mutations import FILE_MUTATIONS
 from bench.learns_images import NAMES as IMAGES, generated
-from bench.learns_loaders import I2V_PIPELINES, MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya
+from bench.learns_loaders import (I2V_PIPELINES, MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya,
+                                  model_family)
 from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, write_results  # noqa: F401
 from bench.learns_report import shown as _shown
 from bench.learns_settings import SETTINGS  # per family; tests read learns.SETTINGS
@@ -174,9 +175,10 @@ def train_nodes(model: str, root: Path, settings: dict | None = None) -> tuple[P
 # -- evaluation ---------------------------------------------------------------------------------------------
 
 
-def _call_kwargs(pipe) -> dict:
+def _call_kwargs(pipe, text_tokens: int) -> dict:
     """No classifier-free guidance anywhere (the LoRA learned the conditional prediction); the distilled
-    guidance of Flux and FLUX.2 [dev] at train.guidance's default (1.0), as trained."""
+    guidance of Flux and FLUX.2 [dev] at train.guidance's default (1.0), as trained; the text window the tiny model
+    trained with (its model.max_sequence_length)."""
     import inspect
 
     params = inspect.signature(type(pipe).__call__).parameters
@@ -184,15 +186,14 @@ def _call_kwargs(pipe) -> dict:
     if "true_cfg_scale" in params:
         kw["true_cfg_scale"] = 1.0
     if "max_sequence_length" in params:
-        kw["max_sequence_length"] = 64 if type(pipe).__name__ == "Flux2Pipeline" else 32
-        if getattr(pipe, "image_encoder", None) is not None:  # Wan 2.1 I2V: its transformer reads 512 text keys
-            kw["max_sequence_length"] = 512
+        kw["max_sequence_length"] = text_tokens
     if "frame_rate" in params:  # LTX-2: the clip's rate (its RoPE's time axis, as trained)
         kw["frame_rate"] = float(CLIP_FPS)
     return kw
 
 
-def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None, frames: int | None = None):
+def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None, frames: int | None = None,
+                  text_tokens: int = 32):
     """The latent the pipeline hands to vae.decode, rendering `prompt` from the noise of `seed`."""
     import inspect
 
@@ -217,7 +218,7 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
         if frames:  # a video pipeline
             edit["num_frames"] = frames
         pipe(prompt=prompt, **size, num_inference_steps=steps, output_type="np",
-             generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe), **edit)
+             generator=torch.Generator("cpu").manual_seed(seed), **_call_kwargs(pipe, text_tokens), **edit)
     finally:
         pipe.vae.decode = decode
     assert len(seen) == 1, f"{type(pipe).__name__}: vae.decode called {len(seen)} times"
@@ -260,7 +261,8 @@ def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[
 def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo") -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
     i2v = SETTINGS.get(model, {}).get("i2v")
-    pipe = load_pipeline(base, i2v)
+    text_tokens = model_family(model)[1]
+    pipe = load_pipeline(base, model)
     name, (image, caption) = image, training_image(model, image)
     clip = SETTINGS.get(model, {}).get("clip")
     if clip:  # the clip as decoded from its mp4 (what loraflow encoded), not the frames before H.264
@@ -275,10 +277,10 @@ def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo"
     target = image_latent(pipe, image)
     control = image[0] if i2v else control_image(model, name)  # image-to-video: from the clip's first frame
     frames = FRAMES if clip else None
-    err_base = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
+    err_base = float(((render_latent(pipe, caption, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
-        pipe = load_pipeline(base, i2v)
+        pipe = load_pipeline(base, model)
         merge = (fmt == "kohya" and type(pipe).__name__ in MERGED) or fmt == "comfyui"
         loaders[fmt] = "merge" if merge else "load_lora_weights"
         if fmt == "lycoris":
@@ -295,7 +297,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo"
                 load_diffusers_file(pipe, file)
             if expert in ("low", "both"):
                 pipe.load_lora_weights(str(file), load_into_transformer_2=True)
-        errs[fmt] = float(((render_latent(pipe, caption, control=control, frames=frames) - target) ** 2).mean())
+        errs[fmt] = float(((render_latent(pipe, caption, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
         ratios[fmt] = errs[fmt] / err_base
     main = "diffusers" if "diffusers" in files else sorted(files)[0]
     return {"err_base": err_base, "err_lora": errs[main], "ratio": ratios[main], "files": ratios, "loaders": loaders}

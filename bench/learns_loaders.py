@@ -3,54 +3,53 @@ run's base folder, `from_pretrained`), and `merge_kohya` for the files diffusers
 merges them (W += alpha/rank * up @ down on the original checkpoint's Linear)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-# The pipelines whose kohya files diffusers cannot read (module docstring): merged as ComfyUI does instead.
-MERGED = {"FluxPipeline": "flux", "FluxKontextPipeline": "flux_kontext", "StableDiffusion3Pipeline": "sd3",
-          "LTX2Pipeline": "ltx2",  # LTX-2: diffusers reads no kohya layout for it
-          "HunyuanVideo15Pipeline": "hunyuan_video15",  # nor for HunyuanVideo 1.5 (ComfyUI's fused names)
-          "HunyuanVideo15ImageToVideoPipeline": "hunyuan_video15_i2v"}
-# The image-to-video pipelines (bench/learns.py renders them from the clip's first frame, `image=`)
-I2V_PIPELINES = ("WanImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline")
+
+def merged() -> dict[str, str]:
+    """{pipeline class: family} of the families whose kohya file diffusers cannot read (each declares it:
+    `reference_kohya = "merge"`): merged as ComfyUI does instead."""
+    from tasks.models import FAMILIES, adapter_class
+
+    return {adapter_class(f).pipeline_cls.__name__: f for f in FAMILIES if adapter_class(f).reference_kohya == "merge"}
+
+
+MERGED = merged()
+
+
+def i2v_pipelines() -> tuple[str, ...]:
+    """The image-to-video pipelines (bench/learns.py renders them from the clip's first frame, `image=`): those of
+    the families whose control is the first frame."""
+    from tasks.models import FAMILIES, adapter_class
+
+    return tuple(sorted({adapter_class(f).pipeline_cls.__name__ for f in FAMILIES
+                         if adapter_class(f).controls.first_frame}))
+
+
+I2V_PIPELINES = i2v_pipelines()
 
 
 def denoiser_of(pipe):
     return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
 
 
-def load_pipeline(base: Path, i2v: bool = False):
-    """The base's own pipeline; `i2v`: its image-to-video pipeline, the class model_index.json names, but for Wan
-    2.2 TI2V-5B's WanPipeline folder, which WanImageToVideoPipeline reads."""
-    import diffusers
-    from diffusers import DiffusionPipeline
+def model_family(model: str) -> tuple[str, int]:
+    """(family, model.max_sequence_length) of a learning-check model (`tiny_wan22+both`: conf/model/tiny_wan22.yaml)."""
+    from omegaconf import OmegaConf
 
-    if i2v:
-        name = json.loads((base / "model_index.json").read_text())["_class_name"]
-        cls = getattr(diffusers, "WanImageToVideoPipeline" if name == "WanPipeline" else name)
-        assert cls.__name__ in I2V_PIPELINES, f"{base}: {name} is no image-to-video pipeline"
-        pipe = cls.from_pretrained(base, use_safetensors=True)
-    elif json.loads((base / "model_index.json").read_text())["_class_name"] == "QwenImageEditPlusPipeline":
-        from tasks.models.qwenimage_edit import (
-            vision_text_processor,  # see its docstring: no torchvision here
-        )
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{model.split('+')[0]}.yaml")
+    return conf.family, int(conf.max_sequence_length)
 
-        pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True, processor=None)
-        pipe.processor = vision_text_processor(base)
-    else:
-        pipe = DiffusionPipeline.from_pretrained(base, use_safetensors=True)
-    if type(pipe).__name__ in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"):  # its text
-        # windows, as the adapter trained them
-        from tasks.models.hunyuan_video15 import HunyuanVideo15Adapter
 
-        HunyuanVideo15Adapter(base, "float32", TEXT_TOKENS).set_text_lengths(pipe)
-        pipe.guider = pipe.guider.new(guidance_scale=1.0)  # no CFG: the pipeline takes its scale from the guider
+def load_pipeline(base: Path, model: str):
+    """The family's own diffusers pipeline on the run's base folder (FamilyAdapter.reference_pipeline)."""
+    from tasks.models import adapter_class
+
+    family, text_tokens = model_family(model)
+    pipe = adapter_class(family).reference_pipeline(base, text_tokens)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-TEXT_TOKENS = 32  # the tiny video models' model.max_sequence_length
 
 
 def load_diffusers_file(pipe, file: Path) -> None:

@@ -28,8 +28,8 @@ import json
 import time
 from pathlib import Path
 
-from bench.family_models import (GEOMETRY, batch_inputs, geometry, model_table, parse, quantized_bytes,  # noqa: F401
-                                  random_adapter, train_config, weights)
+from bench.family_models import (GEOMETRY, batch_inputs, declared, geometry, model_table, parse,  # noqa: F401
+                                  quantized_bytes, random_adapter, train_config, weights)
 
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
@@ -51,7 +51,9 @@ ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+sw
         "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
         "wan14b_81f:nf4+ckpt+offload+swap11",
         "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt",
-        *I2V_ROWS)  # the sharded +fsdpN rows: python -m bench.memory_shard (derived from these)
+        *I2V_ROWS,  # the sharded +fsdpN rows: python -m bench.memory_shard (derived from these)
+        # the families that declare their full-size models (tasks/models/bases/real_size.py)
+        *(f"{name}:{o}" for name, (_, rs) in declared().items() for o in rs.rows))
 
 
 def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
@@ -179,7 +181,8 @@ LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt", "nf4+ckpt+of
 CARD_ROWS = (*((m, m, 1) for m in (*GOALS, "wan14b_81f", "ltx2", "wan21_i2v_14b", "wan21_i2v_14b_33f", "wan22_i2v_a14b",
                                     "wan22_i2v_a14b_33f")),
              ("wan22_i2v_a14b_both", "wan22_i2v_a14b", 2), ("wan22_i2v_a14b_33f_both", "wan22_i2v_a14b_33f", 2),
-             ("wan22_ti2v_5b", "wan22_ti2v_5b", 1), ("wan22_ti2v_5b_49f", "wan22_ti2v_5b_49f", 1))
+             ("wan22_ti2v_5b", "wan22_ti2v_5b", 1), ("wan22_ti2v_5b_49f", "wan22_ti2v_5b_49f", 1),
+             *((name, name, 1) for name, (_, rs) in declared().items() if rs.card))
 
 
 def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16,

@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.family_models import geometry, model_table, parse, random_adapter, train_config
+from bench.family_models import declared, geometry, model_table, parse, random_adapter, train_config
 
 GIB = 1 << 30
 TEXT_LEN = 512
@@ -52,7 +52,9 @@ PARTS = {"flux_dev": ("flux", (("text_encoder", "clip_l"), ("text_encoder_2", "t
          **{m: ("wan", (("text_encoder", "umt5_xxl"),), ("image_encoder",)) for m in ("wan21_i2v_14b", "wan21_i2v_14b_33f")},
          **{m: ("wan", (("text_encoder", "umt5_xxl"),), ("transformer_2",)) for m in ("wan22_i2v_a14b", "wan22_i2v_a14b_33f")},
          **{m: ("wan22", (("text_encoder", "umt5_xxl"),), ()) for m in ("wan22_ti2v_5b", "wan22_ti2v_5b_49f")}}
-NODE_MODELS = ("flux_dev", "qwenimage", "flux2_dev", "wan14b_81f")
+# the families that declare their full-size models (tasks/models/bases/real_size.py): their VAE and encoders inline
+PARTS.update({name: (rs.vae, rs.text, ()) for name, (_, rs) in declared().items()})
+NODE_MODELS = ("flux_dev", "qwenimage", "flux2_dev", "wan14b_81f", *(n for n, (_, rs) in declared().items() if rs.card))
 NODE_ROWS = tuple(f"{m}:{node}:{o}" for m in NODE_MODELS for node, opts in (
     ("cache_text", ("bf16", "fp8", "int8", "nf4", "bf16+offload", "nf4+offload")),
     ("sample", ("bf16", "fp8", "int8", "nf4", "nf4+offload")),
@@ -61,7 +63,8 @@ CARDS = (12, 16, 24, 48, 80)
 MARGIN_GIB = 1.0  # bench.memory_families': the CUDA context and fragmentation
 TEXT_LADDER = ("bf16", "fp8", "int8", "nf4", "bf16+offload", "fp8+offload", "int8+offload", "nf4+offload")
 # The issue's goals for the whole run (item 6): (card GB, host RAM GB)
-GOALS = {"flux_dev": (12, 32), "qwenimage": (16, 32), "flux2_dev": (24, 64), "wan14b_81f": (24, 64)}
+GOALS = {"flux_dev": (12, 32), "qwenimage": (16, 32), "flux2_dev": (24, 64), "wan14b_81f": (24, 64),
+         **{n: rs.card for n, (_, rs) in declared().items() if rs.card}}  # a declared model's own
 
 
 # -- the model folder ------------------------------------------------------------------------------------------------
@@ -83,7 +86,7 @@ def vae(model: str, device: str = "meta"):
     import diffusers
     import torch
 
-    cls, arch = VAES[PARTS[model][0]]
+    cls, arch = PARTS[model][0] if isinstance(PARTS[model][0], tuple) else VAES[PARTS[model][0]]
     with torch.device(device):
         return getattr(diffusers, cls)(**arch).to(torch.bfloat16).eval().requires_grad_(False)
 

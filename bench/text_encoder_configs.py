@@ -96,22 +96,27 @@ PARAMS = {"clip_l": 123.1e6, "clip_g": 694.7e6, "t5_xxl": 4.762e9, "umt5_xxl": 5
           "qwen2_5_vl_7b": 8.29e9, "gemma3_12b": 12.19e9, "qwen3_4b": 4.02e9, "qwen3_8b": 8.19e9, "clip_vit_h": 632.1e6}
 
 
-def config(name: str):
-    """The transformers config object of encoder `name` (one of NAMES)."""
+def _entry(name) -> tuple:
+    # a name of this table, or a family's own encoder as its RealSize declares it: (config class, model class, values)
+    return name if isinstance(name, tuple) else _CONFIGS[name]
+
+
+def config(name: str | tuple):
+    """The transformers config object of encoder `name` (one of NAMES, or a (config class, model class, values))."""
     import transformers
 
-    cls, _, values = _CONFIGS[name]
+    cls, _, values = _entry(name)
     return getattr(transformers, cls)(**values)
 
 
-def model_class(name: str) -> type:
+def model_class(name: str | tuple) -> type:
     """The transformers model class the pipeline folder names for `name` (Z-Image's Qwen3Model; see the doc)."""
     import transformers
 
-    return getattr(transformers, _CONFIGS[name][1])
+    return getattr(transformers, _entry(name)[1])
 
 
-def build(name: str, device: str = "meta", dtype=None):
+def build(name: str | tuple, device: str = "meta", dtype=None):
     """The encoder at its real size on `device` (meta: shapes only, no memory), in `dtype` (default bf16)."""
     import torch
 

@@ -50,6 +50,7 @@ class FluxAdapter(TransformerAdapter):
     # load refuses the key
     kohya = KohyaLayout("networks.lora_flux", "flux1", rules=KOHYA_RULES, drop=r"proj_out")
     pipeline_cls = LazyClass("diffusers", "FluxPipeline")
+    reference_kohya = "merge"  # diffusers' converter hard-codes FLUX.1's widths for single-block linear1
     denoiser_cls = LazyClass("diffusers", "FluxTransformer2DModel")
     denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS

@@ -85,6 +85,7 @@ class HunyuanVideo15Adapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     max_text_tokens = 1000  # the pipeline's tokenizer_max_length (Qwen2.5-VL), its preset's model.max_sequence_length
     pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
+    reference_kohya = "merge"  # diffusers reads none for HunyuanVideo 1.5 (ComfyUI's fused names)
     # the text encoders' pipeline: the text-to-video one for image-to-video too (the same encode_prompt, "Copied
     # from" it), so caching text loads no image encoder
     text_pipeline_cls = LazyClass("diffusers", "HunyuanVideo15Pipeline")
@@ -126,6 +127,14 @@ class HunyuanVideo15Adapter(TransformerAdapter):
             pixels = pixels[:, :, None]
         z = vae.encode(pixels.to(vae.device, vae.dtype, non_blocking=True)).latent_dist.mode()
         return z * vae.config.scaling_factor
+
+    @classmethod
+    def reference_pipeline(cls, base, text_tokens):
+        # its text windows as the adapter trained them; no CFG: the pipeline takes its scale from the guider
+        pipe = super().reference_pipeline(base, text_tokens)
+        cls(base, "float32", text_tokens).set_text_lengths(pipe)
+        pipe.guider = pipe.guider.new(guidance_scale=1.0)
+        return pipe
 
     # -- text ------------------------------------------------------------------------------------
     def set_text_lengths(self, pipe):

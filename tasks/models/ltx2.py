@@ -97,6 +97,7 @@ class LTX2Adapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks",)  # train.blocks_to_swap
     max_text_tokens = 1024  # LTX2Pipeline's default window (Gemma 3; a multiple of the connectors' 128 registers)
     pipeline_cls = LazyClass("diffusers", "LTX2Pipeline")
+    reference_kohya = "merge"  # diffusers reads no kohya layout for LTX-2
     denoiser_cls = LazyClass("diffusers", "LTX2VideoTransformer3DModel")
     denoiser_subfolder = "transformer"
     text_components = ("tokenizer", "text_encoder", "connectors")

@@ -57,6 +57,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     sample_parts = dict(text_encoder=None, tokenizer=None, processor=None, **_SAFE)
 
     @classmethod
+    def reference_pipeline(cls, base, text_tokens):
+        # transformers builds the folder's Qwen2VLProcessor only with torchvision: vision_text_processor's docstring
+        pipe = cls.pipeline_cls.from_pretrained(base, use_safetensors=True, processor=None)
+        pipe.processor = vision_text_processor(base)
+        return pipe
+
+    @classmethod
     def control_size(cls, width, height):
         w, h = _edit.calculate_dimensions(_edit.VAE_IMAGE_SIZE, width / height)
         return int(w), int(h)

@@ -39,6 +39,7 @@ class SD3Adapter(TransformerAdapter):
     widest_arch = dict(num_layers=38, dual_attention_layers=tuple(range(38)))
     kohya = KohyaLayout("networks.lora_sd3", "sd3", rules=KOHYA_RULES)
     pipeline_cls = LazyClass("diffusers", "StableDiffusion3Pipeline")
+    reference_kohya = "merge"  # diffusers' SD3 pipeline reads no kohya layout
     denoiser_cls = LazyClass("diffusers", "SD3Transformer2DModel")
     denoiser_subfolder = "transformer"
     sample_parts = _SAMPLE_PARTS

@@ -140,6 +140,31 @@ class FamilyAdapter(ABC):
     # block's backward holds in flight, what train.gradient_checkpointing_offload copies per token x width and per
     # text token x width (a caption that is a block input beside the sequence); {}: the defaults
     activation_extras: dict = {}
+    # The benchmarks' knowledge of the family (issue 64 item 4), declared here, read by bench/ through the registry:
+    # its full-size models (tasks/models/bases/real_size.py; bench.memory's rows, node rows and card table), and how
+    # the learning check renders its kohya file: "diffusers" (the pipeline's load_lora_weights reads it) or "merge"
+    # (diffusers reads no kohya layout for it: merged as ComfyUI merges it, bench/learns_loaders.py). The tiny
+    # model's learning-check settings are its builder module's LEARNS (bench/learns_settings.py).
+    real_sizes: tuple = ()
+    reference_kohya: str = "diffusers"
+
+    @staticmethod
+    def bench_batch(config: dict, size: tuple[int, int], frames: int, text_len: int):
+        """(latents, text) of one cached item at this size, as zeros in bfloat16 of the cache's shapes (what the
+        train node hands training_loss), for bench.memory's full-size rows; families with `real_sizes` define it."""
+        raise NotImplementedError("the family declares no real_sizes")
+
+    @classmethod
+    def reference_pipeline(cls, base: Path, text_tokens: int):
+        """The family's own diffusers pipeline on a base folder, loaded as a user of diffusers loads it: the learning
+        check's renderer (bench/learns_loaders.py), `text_tokens` the tiny model's model.max_sequence_length. The
+        class the folder names; an image-to-video family's own pipeline (Wan 2.2 TI2V-5B's folder names WanPipeline).
+        A family whose pipeline needs more to load or to render as it trained overrides this."""
+        import diffusers
+
+        if cls.controls.first_frame:
+            return cls.pipeline_cls.from_pretrained(base, use_safetensors=True)
+        return diffusers.DiffusionPipeline.from_pretrained(base, use_safetensors=True)
 
     def configure(self, model_cfg: ModelConfig) -> None:
         """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""

@@ -102,3 +102,10 @@ def build_tiny_flux_kontext(out_dir: str | Path, seed: int = 0, arch: dict | Non
     index = out_dir / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "FluxKontextPipeline"}, indent=2))
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+LEARNS = {"tiny_flux": {"arch": {"num_attention_heads": 8}, "rank": 16, "steps": 300, "lr": 1e-3}}
+# FLUX.1 Kontext: one (control, target) pair, the control the target's negative; rendered with the control
+LEARNS["tiny_flux_kontext"] = {**LEARNS["tiny_flux"], "control": True}

@@ -80,3 +80,10 @@ def build_tiny_flux2(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+LEARNS = {"tiny_flux2_klein": {"arch": {"num_attention_heads": 8, "num_layers": 2, "num_single_layers": 2},
+                                "rank": 16, "steps": 300, "lr": 1e-2}}
+LEARNS["tiny_flux2_klein+ref"] = {**LEARNS["tiny_flux2_klein"], "control": True}  # one reference image

@@ -114,3 +114,13 @@ def build_tiny_hunyuan_video15(out_dir: str | Path, seed: int = 0, arch: dict | 
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# The clip, its kohya file merged by ComfyUI's rule (diffusers reads none for it). The default tiny model (16 wide)
+# reaches 0.199 / 0.193 after 600 / 1200 steps at lr 1e-2; twice as wide, 300 steps at 3e-3 (at 1e-2 it memorises
+# so hard that a halved scale or a misnamed block still renders under the bound)
+LEARNS = {"tiny_hunyuan_video15": {"arch": {"num_attention_heads": 4, "attention_head_dim": 16,
+                                            "rope_axes_dim": [4, 4, 8]}, "rank": 16, "steps": 300, "lr": 3e-3,
+                                   "clip": True}}

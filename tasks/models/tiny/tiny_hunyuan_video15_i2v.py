@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tasks.models.tiny.common import resolve_arch, seeder
 from tasks.models.tiny.tiny_hunyuan_video15 import HV15_ARCH, hv15_parts
+from tasks.models.tiny.tiny_hunyuan_video15 import LEARNS as HV15_LEARNS
 
 HV15_I2V_ARCH: dict = {**HV15_ARCH,
                        # SiglipVisionModel: hidden size = the transformer's image_embed_dim (derived, not a key)
@@ -43,3 +44,10 @@ def build_tiny_hunyuan_video15_i2v(out_dir: str | Path, seed: int = 0, arch: dic
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# The same clip from its first frame, rendered by HunyuanVideo15ImageToVideoPipeline (sized by its own rule: the
+# target_size bucket nearest the image's aspect, the check's size for the square first frame)
+LEARNS = {"tiny_hunyuan_video15_i2v": {**HV15_LEARNS["tiny_hunyuan_video15"], "i2v": True}}

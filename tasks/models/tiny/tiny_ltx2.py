@@ -190,3 +190,9 @@ def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# LTX-2's video stream: the clip (9 frames = 1 + 8k, 2 latent frames of 2x2 at 64 px), ltx-trainer's targets
+LEARNS = {"tiny_ltx2": {"arch": {}, "rank": 16, "steps": 1200, "lr": 1e-2, "clip": True}}

@@ -104,3 +104,11 @@ def qwenimage_parts(a: dict, tokenizer, seeded) -> dict:
         use_karras_sigmas=False,
     )
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer)
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+LEARNS = {"tiny_qwenimage": {"arch": {"num_attention_heads": 4}, "rank": 16, "steps": 300, "lr": 3e-3,
+                              "targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                          "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                          "txt_mlp.net.2"]}}

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from tasks.models.tiny.common import resolve_arch, seeder
+from tasks.models.tiny.tiny_qwenimage import LEARNS as QWENIMAGE_LEARNS
 from tasks.models.tiny.tiny_qwenimage import QWENIMAGE_ARCH, qwen25vl_tokenizer, qwenimage_parts
 
 # QwenImageEditPlusPipeline.prompt_template_encode's system text: the pipeline drops the template's first 64
@@ -45,3 +46,10 @@ def build_tiny_qwenimage_edit(out_dir: str | Path, seed: int = 0, arch: dict | N
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     (out_dir / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# Qwen-Image-Edit: its pipeline encodes the control at ~1 MP (4096 tokens beside the target's 16), so one image a
+# batch: measured 0.128 in 2.5 min (a batch of 4: 0.074 in 9 min on 2 cores)
+LEARNS = {"tiny_qwenimage_edit": {**QWENIMAGE_LEARNS["tiny_qwenimage"], "control": True, "batch": 1}}

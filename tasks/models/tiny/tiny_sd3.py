@@ -66,3 +66,12 @@ def build_tiny_sd3(out_dir: str | Path, seed: int = 0, arch: dict | None = None)
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+LEARNS = {"tiny_sd3": {
+    "arch": {"num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 8, "caption_projection_dim": 128},
+    "rank": 16, "steps": 300, "lr": 3e-3, "targets": [f"{m}.{p}" for m, ps in (
+        ("attn", ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+        ("ff", ("net.0.proj", "net.2")), ("ff_context", ("net.0.proj", "net.2"))) for p in ps]}}

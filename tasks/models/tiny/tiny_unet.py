@@ -104,3 +104,13 @@ def build_tiny_sd15(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     out_dir = Path(out_dir)
     pipe.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# The default targets (attention) suit a pretrained base; a random tiny one must learn to denoise the image from
+# scratch, and a LoRA on attention alone cannot hold that: the MLPs and the convolutions too.
+_UNET = ["to_k", "to_q", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "time_emb_proj",
+         "conv1", "conv2", "conv_in", "conv_out"]
+LEARNS = {"tiny_sdxl": {"arch": {}, "rank": 16, "steps": 300, "lr": 3e-3, "targets": _UNET},
+          "tiny_sd15": {"arch": {}, "rank": 16, "steps": 300, "lr": 1e-3, "targets": _UNET}}

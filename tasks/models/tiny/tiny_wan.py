@@ -72,3 +72,13 @@ def build_tiny_wan22(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
     WanPipeline(**parts, transformer=seeded(2, build), transformer_2=seeded(3, build),
                 boundary_ratio=a["boundary_ratio"]).save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# Wan 2.1: one 9-frame clip (the demo image sliding right), rendered by WanPipeline at 9 frames; every Linear of
+# its blocks is a default target already
+LEARNS = {"tiny_wan": {"arch": {"num_attention_heads": 8, "attention_head_dim": 24, "ffn_dim": 256}, "rank": 16,
+                       "steps": 600, "lr": 1e-2, "clip": True}}
+# Wan 2.2, one LoRA on both experts (model.expert=both): the same clip, the file loaded into both experts
+LEARNS["tiny_wan22+both"] = {**LEARNS["tiny_wan"], "expert": "both", "steps": 900}

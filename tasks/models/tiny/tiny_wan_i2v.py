@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.models.tiny.common import resolve_arch, seeder
+from tasks.models.tiny.tiny_wan import LEARNS as WAN_LEARNS
 from tasks.models.tiny.tiny_wan import WAN_ARCH, wan_parts
 
 I2V_ARCH: dict = {**WAN_ARCH, "boundary_ratio": 0.9,  # Wan2.2-I2V-A14B's model_index.json
@@ -93,3 +94,19 @@ def build_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0, arch: dict | None 
     parts["transformer"] = seeded(2, _transformer(a, 48, 48))
     WanPipeline(**parts, expand_timesteps=True).save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+# The learning check's settings for this module's tiny models (bench/learns.py; bench/learns_settings.py gathers
+# every family's): the tiny model's width (model.arch) and the run that memorises one image or clip, each choice's
+# measured reason beside it. Chosen to reach the bound in about 3 min or less on 2 cores.
+# Image-to-video (issue 47): Wan's clip, trained from its first frame (decoded from the mp4, as loraflow reads it)
+# and rendered by WanImageToVideoPipeline from that frame (--i in the prompts file)
+LEARNS = {"tiny_wan_i2v": {**WAN_LEARNS["tiny_wan"], "i2v": True},
+          "tiny_wan22_i2v+both": {**WAN_LEARNS["tiny_wan22+both"], "i2v": True},
+          # Wan 2.2 TI2V-5B: its /16 VAE has 48 channels, so at 64 px a frame is 2x2 tokens of 192 values each, and
+          # a tiny random base must learn to denoise all of them through the LoRA. Measured ratios (2026-11-27, 2
+          # cores): 0.74 at Wan 2.1's settings (192 wide, 600 steps), 0.50 at 384 wide, 0.33 at 768 wide (1200
+          # steps, lr 3e-3), 0.13 with 4 blocks of 768: the tiny model's capacity (the real 5B is 3072 wide, 30
+          # blocks), not the conditioning
+          "tiny_wan22_ti2v": {"arch": {"num_attention_heads": 32, "attention_head_dim": 24, "ffn_dim": 1024,
+                                       "num_layers": 4}, "rank": 16, "steps": 1200, "lr": 3e-3, "clip": True,
+                              "i2v": True}}
