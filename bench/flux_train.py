@@ -16,9 +16,7 @@ HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 
 # FLUX.1-dev transformer/config.json
-FLUX_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
-                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+from tasks.models.flux import FLUX1_DEV as FLUX_DEV  # noqa: E402 (FLUX.1-dev's config, declared by the family)
 TINY = dict(FLUX_DEV, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 # (name, fp8 base, gradient checkpointing, modulation linears in fp8 too)

@@ -33,27 +33,11 @@ from bench.family_models import (GEOMETRY, batch_inputs, declared, geometry, mod
 
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
-# Image-to-video (issue 47): Wan 2.1 I2V-14B and one Wan 2.2 I2V-A14B expert at 480x832, 81 frames, Wan 2.2 TI2V-5B at
-# 704x1280, 121 frames (GEOMETRY), and the shorter clips the smaller cards take (33 frames; TI2V-5B 49): every setting
-# the card table names for them on 12, 16 and 24 GB (CARD_ROWS; not Wan 2.2 I2V-A14B's at 33 frames: the wan14b rows
-# are its transformer but for the patch embedding), NF4 with checkpointing, TI2V-5B in bf16
-I2V_ROWS = ("wan21_i2v_14b:nf4+ckpt", "wan21_i2v_14b:nf4+ckpt+offload", "wan21_i2v_14b:nf4+ckpt+offload+swap17",
-            "wan21_i2v_14b_33f:nf4+ckpt", "wan21_i2v_14b_33f:nf4+ckpt+offload+swap12",
-            "wan21_i2v_14b_33f:nf4+ckpt+offload+swap31",
-            "wan22_i2v_a14b:nf4+ckpt", "wan22_i2v_a14b:nf4+ckpt+offload+swap11",
-            "wan22_ti2v_5b:bf16+ckpt", "wan22_ti2v_5b:nf4+ckpt", "wan22_ti2v_5b:nf4+ckpt+offload+swap24",
-            "wan22_ti2v_5b_49f:bf16+ckpt", "wan22_ti2v_5b_49f:fp8+ckpt", "wan22_ti2v_5b_49f:nf4+ckpt",
-            "wan22_ti2v_5b_49f:nf4+ckpt+offload")
-ROWS = ("flux_dev:bf16+ckpt", "flux_dev:nf4+ckpt", "flux_dev:nf4+ckpt+offload+swap20", "flux_dev:int8+ckpt", "flux_dev:int8+ckpt+swap10",
-        "qwenimage:bf16+ckpt", "qwenimage:int8+ckpt", "qwenimage:int8+ckpt+swap20", "qwenimage:nf4+ckpt",
-        "flux2_dev:int8+ckpt+swap32", "flux2_dev:nf4+ckpt", "flux2_dev:nf4+ckpt+swap16", "flux2_dev:nf4+ckpt+offload+swap8",
-        "wan14b:int8+ckpt", "wan14b:nf4+ckpt", "wan14b:int8+ckpt+swap20", "wan14b_81f:nf4+ckpt",
-        "wan14b_81f:nf4+ckpt+swap30", "wan14b_81f:nf4+ckpt+offload", "wan14b_81f:int8+ckpt+offload",
-        "wan14b_81f:nf4+ckpt+offload+swap11",
-        "ltx2:bf16", "ltx2:bf16+ckpt", "ltx2:nf4+ckpt", "ltx2:nf4+ckpt+offload", "ltx2_49f:bf16", "ltx2_49f:bf16+ckpt",
-        *I2V_ROWS,  # the sharded +fsdpN rows: python -m bench.memory_shard (derived from these)
-        # the families that declare their full-size models (tasks/models/bases/real_size.py)
-        *(f"{name}:{o}" for name, (_, rs) in declared().items() for o in rs.rows))
+# The rows: each full-size model the families declare (tasks/models/bases/real_size.py), with the options of its rows:
+# FLUX.1-dev, Qwen-Image, FLUX.2 [dev], Wan 2.1 14B (one Wan 2.2 A14B expert's shapes), LTX-2, the image-to-video
+# models at their model cards' sizes and the shorter clips the smaller cards take, the 2026 families. The sharded
+# +fsdpN rows: python -m bench.memory_shard (derived from these).
+ROWS = tuple(f"{name}:{o}" for name, (_, rs) in declared().items() for o in rs.rows)
 
 
 def activations(model: str, ckpt: bool, resolution: int, text_len: int, rank: int, offload: bool = False) -> dict:
@@ -172,17 +156,15 @@ def rows(names, folder: Path, **kw) -> list[dict]:
     return out
 
 
-GOALS = {"flux_dev": 16, "qwenimage": 24, "flux2_dev": 24, "wan14b": 24}  # GiB: the issue's goals for some row of each
+# GiB: the goal some train row of each model is meant to meet (issue 41's for FLUX.1-dev, Qwen-Image, FLUX.2, Wan 14B)
+GOALS = {name: rs.train_goal_gib for name, (_, rs) in declared().items() if rs.train_goal_gib}
 CARDS = (12, 16, 24, 48, 80)  # GB on the box
 MARGIN_GIB = 1.0  # what max_memory_allocated leaves out: the CUDA context (~0.5 GiB), allocator fragmentation
 LADDER = ("bf16", "bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt", "nf4+ckpt+offload")  # the least change first
-# The card table's rows: (key in `cards`, model, denoisers held). Wan 2.2 I2V-A14B: one expert trained
-# (model.expert=high|low), and one LoRA on both (model.expert=both: both experts' weights, one set of activations)
-CARD_ROWS = (*((m, m, 1) for m in (*GOALS, "wan14b_81f", "ltx2", "wan21_i2v_14b", "wan21_i2v_14b_33f", "wan22_i2v_a14b",
-                                    "wan22_i2v_a14b_33f")),
-             ("wan22_i2v_a14b_both", "wan22_i2v_a14b", 2), ("wan22_i2v_a14b_33f_both", "wan22_i2v_a14b_33f", 2),
-             ("wan22_ti2v_5b", "wan22_ti2v_5b", 1), ("wan22_ti2v_5b_49f", "wan22_ti2v_5b_49f", 1),
-             *((name, name, 1) for name, (_, rs) in declared().items() if rs.card))
+# The card table's rows: (key in `cards`, model, denoisers held), as each model declares them (RealSize.card_rows).
+# Wan 2.2 I2V-A14B: one expert trained (model.expert=high|low), and one LoRA on both (model.expert=both: both experts'
+# weights, one set of activations)
+CARD_ROWS = tuple(r for _, rs in declared().values() for r in rs.card_rows())
 
 
 def advice(model: str, folder: Path, card_gb: int, resolution: int = 1024, text_len: int = 512, rank: int = 16,

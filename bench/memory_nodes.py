@@ -1,6 +1,6 @@
 """The other nodes' memory (issue 61): rows `<model>:<node>:<options>` of `python -m bench.memory --nodes`, and the
 whole run's setting per card (`cards`), at the real configs of the full-size models: their text encoders
-(bench/text_encoder_configs.py), VAEs (VAES) and denoisers (bench/family_models.py).
+(bench/text_encoder_configs.py), VAEs and denoisers, as each family declares them (RealSize, bench/family_models.py).
 
     python -m bench.memory --nodes [--only flux2_dev:cache_text:nf4,...]
 
@@ -32,29 +32,15 @@ from bench.family_models import declared, geometry, model_table, parse, random_a
 
 GIB = 1 << 30
 TEXT_LEN = 512
-# The VAEs' diffusers configs (their vae/config.json; the class defaults are the released models' but FLUX.1's)
-FLUX1_VAE = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
-                 up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=16, layers_per_block=2, norm_num_groups=32,
-                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024, scaling_factor=0.3611,
-                 shift_factor=0.1159, force_upcast=True)
-WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
-                 patch_size=2, scale_factor_spatial=16, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
-VAES = {"flux": ("AutoencoderKL", FLUX1_VAE), "flux2": ("AutoencoderKLFlux2", {}), "qwen": ("AutoencoderKLQwenImage", {}),
-        "wan": ("AutoencoderKLWan", {}), "wan22": ("AutoencoderKLWan", WAN22_VAE), "ltx2": ("AutoencoderKLLTX2Video", {})}
-# Per model: its VAE, its text encoders (folder, text_encoder_configs name), other folders (name, encoder) and how
-# many denoiser folders the sample node loads (Wan 2.2 A14B: both experts)
-PARTS = {"flux_dev": ("flux", (("text_encoder", "clip_l"), ("text_encoder_2", "t5_xxl")), ()),
-         "qwenimage": ("qwen", (("text_encoder", "qwen2_5_vl_7b"),), ()),
-         "flux2_dev": ("flux2", (("text_encoder", "mistral_small_3_1"),), ()),
-         "wan14b": ("wan", (("text_encoder", "umt5_xxl"),), ()), "wan14b_81f": ("wan", (("text_encoder", "umt5_xxl"),), ()),
-         "ltx2": ("ltx2", (("text_encoder", "gemma3_12b"),), ("connectors",)),
-         "ltx2_49f": ("ltx2", (("text_encoder", "gemma3_12b"),), ("connectors",)),
-         **{m: ("wan", (("text_encoder", "umt5_xxl"),), ("image_encoder",)) for m in ("wan21_i2v_14b", "wan21_i2v_14b_33f")},
-         **{m: ("wan", (("text_encoder", "umt5_xxl"),), ("transformer_2",)) for m in ("wan22_i2v_a14b", "wan22_i2v_a14b_33f")},
-         **{m: ("wan22", (("text_encoder", "umt5_xxl"),), ()) for m in ("wan22_ti2v_5b", "wan22_ti2v_5b_49f")}}
-# the families that declare their full-size models (tasks/models/bases/real_size.py): their VAE and encoders inline
-PARTS.update({name: (rs.vae, rs.text, ()) for name, (_, rs) in declared().items()})
-NODE_MODELS = ("flux_dev", "qwenimage", "flux2_dev", "wan14b_81f", *(n for n, (_, rs) in declared().items() if rs.card))
+
+
+def real(model: str):
+    """The model's RealSize: its VAE, encoders and other folders, as its family declares them."""
+    return declared()[model][1]
+
+
+# the node rows are those of the models with a whole-run goal (RealSize.card)
+NODE_MODELS = tuple(name for name, (_, rs) in declared().items() if rs.card)
 NODE_ROWS = tuple(f"{m}:{node}:{o}" for m in NODE_MODELS for node, opts in (
     ("cache_text", ("bf16", "fp8", "int8", "nf4", "bf16+offload", "nf4+offload")),
     ("sample", ("bf16", "fp8", "int8", "nf4", "nf4+offload")),
@@ -62,9 +48,8 @@ NODE_ROWS = tuple(f"{m}:{node}:{o}" for m in NODE_MODELS for node, opts in (
 CARDS = (12, 16, 24, 48, 80)
 MARGIN_GIB = 1.0  # bench.memory_families': the CUDA context and fragmentation
 TEXT_LADDER = ("bf16", "fp8", "int8", "nf4", "bf16+offload", "fp8+offload", "int8+offload", "nf4+offload")
-# The issue's goals for the whole run (item 6): (card GB, host RAM GB)
-GOALS = {"flux_dev": (12, 32), "qwenimage": (16, 32), "flux2_dev": (24, 64), "wan14b_81f": (24, 64),
-         **{n: rs.card for n, (_, rs) in declared().items() if rs.card}}  # a declared model's own
+# The whole run's goals (card GB, host RAM GB; issue 61 item 6 and each family's own)
+GOALS = {name: rs.card for name, (_, rs) in declared().items() if rs.card}
 
 
 # -- the model folder ------------------------------------------------------------------------------------------------
@@ -86,7 +71,7 @@ def vae(model: str, device: str = "meta"):
     import diffusers
     import torch
 
-    cls, arch = PARTS[model][0] if isinstance(PARTS[model][0], tuple) else VAES[PARTS[model][0]]
+    cls, arch = real(model).vae
     with torch.device(device):
         return getattr(diffusers, cls)(**arch).to(torch.bfloat16).eval().requires_grad_(False)
 
@@ -104,22 +89,20 @@ def write_model(model: str, root: Path) -> Path:
     adapter, _, _ = random_adapter(model, torch.device("meta"))
     den = adapter.load_denoiser()
     model_headers(den, folder)
-    if "transformer_2" in PARTS[model][2]:
+    if real(model).denoisers == 2:  # Wan 2.2 A14B: both experts in the folder
         model_headers(den, folder / "_2")
         (folder / "_2" / "transformer").rename(folder / "transformer_2")
         (folder / "_2").rmdir()
-    for sub, name in PARTS[model][1]:
+    for sub, name in (*real(model).text, *real(model).image_encoders):
         enc = build(name)
         _write(enc, folder / sub, {**enc.config.to_dict(), "architectures": [type(enc).__name__]})
-    if "image_encoder" in PARTS[model][2]:
-        enc = build("clip_vit_h")
-        _write(enc, folder / "image_encoder", {**enc.config.to_dict(), "architectures": [type(enc).__name__]})
-    if "connectors" in PARTS[model][2]:  # LTX-2's text connectors (diffusers' class defaults: LTX-2's)
-        from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    for sub, ref in real(model).modules:  # other modules at their class defaults (LTX-2's text connectors)
+        import importlib
 
+        module, name = ref.split(":")
         with torch.device("meta"):
-            conn = LTX2TextConnectors()
-        _write(conn, folder / "connectors", {**dict(conn.config), "_class_name": "LTX2TextConnectors"})
+            m = getattr(importlib.import_module(module), name)()
+        _write(m, folder / sub, {**dict(m.config), "_class_name": name})
     v = vae(model)
     _write(v, folder / "vae", {**dict(v.config), "_class_name": type(v).__name__})
     return folder
@@ -238,7 +221,7 @@ def measure_text(model: str, options: str) -> dict:
     parts = options.split("+")
     kind, offload = parts[0], "offload" in parts
     weights = held = peak = 0
-    for _, name in PARTS[model][1]:
+    for _, name in real(model).text:
         enc = build(name)
         unstored = set()
         if kind == "fp8":  # text_load._unstored: transformers' fp32 modules stay in the compute dtype

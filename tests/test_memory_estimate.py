@@ -225,7 +225,7 @@ def test_wan22_ti2v_5b_at_704x1280_121_frames(tmp_path):
     27,280 tokens at 704x1280 and 121 frames on its /16 VAE; its constants in each term of the estimate."""
     from diffusers import WanTransformer3DModel
 
-    from bench.family_models import WAN22_TI2V_5B
+    from tasks.models.wan22_ti2v import TI2V_5B as WAN22_TI2V_5B
     from tasks.models import adapter_class
     from tasks.training.memory import family_factors
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import BLOCK as _B, SINGLE as _S, KohyaLayout
 from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.real_size import RealSize
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -41,6 +42,16 @@ KOHYA_RULES = (
     (r"context_embedder", "txt_in", 1),
 )
 
+
+# FLUX.1-dev's transformer and VAE configs (black-forest-labs/FLUX.1-dev transformer/ and vae/config.json): the
+# transformer class defaults are FLUX.1's but for the guidance embedding and RoPE axes; the VAE's are not FLUX.1's
+FLUX1_DEV = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                 guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+FLUX1_VAE = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+                 up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=16, layers_per_block=2, norm_num_groups=32,
+                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024, scaling_factor=0.3611,
+                 shift_factor=0.1159, force_upcast=True)
 
 class FluxAdapter(TransformerAdapter):
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")  # train.blocks_to_swap, in run order
@@ -142,3 +153,18 @@ class FluxAdapter(TransformerAdapter):
                     width=width, height=height, num_inference_steps=steps, guidance_scale=guidance,
                     max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil",
                     **kwargs).images[0]
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    real_sizes = (RealSize("flux_dev", "FluxTransformer2DModel", FLUX1_DEV, vae=("AutoencoderKL", FLUX1_VAE),
+                           text=(("text_encoder", "clip_l"), ("text_encoder_2", "t5_xxl")),
+                           rows=("bf16+ckpt", "nf4+ckpt", "nf4+ckpt+offload+swap20", "int8+ckpt", "int8+ckpt+swap10"),
+                           card=(12, 32), train_goal_gib=16),)
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # 16-channel /8 latents (packed 2x2 by training_loss); T5's states and CLIP's pooled vector
+        w, h = size
+        z = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        return z(1, config["in_channels"] // 4, h // 8, w // 8), {
+            "prompt_embeds": z(1, text_len, config["joint_attention_dim"]),
+            "pooled_prompt_embeds": z(1, config["pooled_projection_dim"])}

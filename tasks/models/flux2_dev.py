@@ -9,6 +9,7 @@ import logging
 from tasks.lazy import LazyClass, lazy
 from tasks.models.bases.adapter import KohyaLayout
 from tasks.models.bases.flux2 import KOHYA_RULES, TEXT_PARTS, Flux2Adapter
+from tasks.models.bases.real_size import RealSize
 
 diffusers = lazy("diffusers")
 transformers = lazy("transformers")
@@ -36,3 +37,10 @@ class Flux2DevAdapter(Flux2Adapter):
         if negative is not None:
             log.warning("FLUX.2 [dev] samples without a negative prompt (Flux2Pipeline has no CFG); --n is ignored")
         return self.render(pipe, prompt, width, height, steps, guidance, seed, generator_device, controls)
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # Flux2Transformer2DModel's and AutoencoderKLFlux2's defaults are black-forest-labs/FLUX.2-dev's (32.2 B)
+    real_sizes = (RealSize("flux2_dev", "Flux2Transformer2DModel", vae=("AutoencoderKLFlux2", {}),
+                           text=(("text_encoder", "mistral_small_3_1"),),
+                           rows=("int8+ckpt+swap32", "nf4+ckpt", "nf4+ckpt+swap16", "nf4+ckpt+offload+swap8"),
+                           card=(24, 64), train_goal_gib=24),)

@@ -47,6 +47,7 @@ from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Clips, KohyaLayout, on_pipeline_device
 from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.real_size import RealSize
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -211,3 +212,22 @@ class LTX2Adapter(TransformerAdapter):
                    use_cross_timestep=bool(t.cross_attn_mod or t.audio_cross_attn_mod), output_type="np",
                    **stg).frames[0]
         return Video([Image.fromarray(f) for f in (np.clip(out, 0, 1) * 255).round().astype(np.uint8)], float(fps))
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # LTX2VideoTransformer3DModel's defaults are Lightricks/LTX-2's (48 blocks, 4096 wide video stream); its video
+    # stream at 768x512, 121 and 49 frames; the text connectors at their class defaults (LTX-2's)
+    real_sizes = tuple(RealSize(name, "LTX2VideoTransformer3DModel", size=(768, 512), frames=frames,
+                                vae=("AutoencoderKLLTX2Video", {}), text=(("text_encoder", "gemma3_12b"),),
+                                modules=(("connectors", "diffusers.pipelines.ltx2.connectors:LTX2TextConnectors"),),
+                                **kw) for name, frames, kw in (
+        ("ltx2", 121, dict(rows=("bf16", "bf16+ckpt", "nf4+ckpt", "nf4+ckpt+offload"), cards=(1,))),
+        ("ltx2_49f", 49, dict(rows=("bf16", "bf16+ckpt")))))
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # 128-channel latents (/8 in time, /32 in space); the connectors' video and audio text
+        (w, h), z = size, lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        return z(1, 128, 1 + (frames - 1) // 8, h // 32, w // 32), {
+            "prompt_embeds": z(1, text_len, config["caption_channels"]),
+            "audio_prompt_embeds": z(1, text_len, config["caption_channels"]),
+            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}

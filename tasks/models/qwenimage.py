@@ -8,6 +8,7 @@ from __future__ import annotations
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import KohyaLayout
 from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.real_size import RealSize
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -102,3 +103,18 @@ class QwenImageAdapter(TransformerAdapter):
         generator = self.make_generator(pipe, seed, generator_device)
         return pipe(**kwargs, true_cfg_scale=true_cfg, width=width, height=height, num_inference_steps=steps,
                     max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil").images[0]
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # QwenImageTransformer2DModel's and AutoencoderKLQwenImage's defaults are Qwen/Qwen-Image's configs (20.4 B)
+    real_sizes = (RealSize("qwenimage", "QwenImageTransformer2DModel", vae=("AutoencoderKLQwenImage", {}),
+                           text=(("text_encoder", "qwen2_5_vl_7b"),),
+                           rows=("bf16+ckpt", "int8+ckpt", "int8+ckpt+swap20", "nf4+ckpt"), card=(16, 32),
+                           train_goal_gib=24),)
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # 16-channel /8 latents, packed 2x2 by training_loss; Qwen2.5-VL's states and their mask
+        w, h = size
+        return torch.zeros(1, 16, h // 8, w // 8, dtype=torch.bfloat16), {
+            "prompt_embeds": torch.zeros(1, text_len, config["joint_attention_dim"], dtype=torch.bfloat16),
+            "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}

@@ -13,6 +13,7 @@ from tasks.data.clips import Video
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Clips, KohyaLayout
 from tasks.models.bases.flow_matching import TransformerAdapter, noise_latents, weighted_loss
+from tasks.models.bases.real_size import RealSize
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -145,3 +146,19 @@ class WanAdapter(TransformerAdapter):
                    num_inference_steps=steps, max_sequence_length=self.max_sequence_length, generator=generator,
                    output_type="np").frames[0]
         return Video([Image.fromarray(f) for f in (np.clip(out, 0, 1) * 255).round().astype(np.uint8)], fps)
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # WanTransformer3DModel's defaults are Wan-AI/Wan2.1-T2V-14B's config (5120 wide, 40 blocks; one Wan 2.2 A14B
+    # expert has its shapes). At 480x832, 33 frames (9 latent frames, 14,040 tokens) fit a 24 GB card; the model
+    # card's 81 (21, 32,760) do not.
+    real_sizes = tuple(RealSize(name, "WanTransformer3DModel", size=(832, 480), frames=frames, vae=("AutoencoderKLWan", {}),
+                                text=(("text_encoder", "umt5_xxl"),), **kw) for name, frames, kw in (
+        ("wan14b", 33, dict(rows=("int8+ckpt", "nf4+ckpt", "int8+ckpt+swap20"), cards=(1,), train_goal_gib=24)),
+        ("wan14b_81f", 81, dict(rows=("nf4+ckpt", "nf4+ckpt+swap30", "nf4+ckpt+offload", "int8+ckpt+offload",
+                                      "nf4+ckpt+offload+swap11"), card=(24, 64)))))
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # 16-channel latents of the video VAE (/4 in time, /8 in space); UMT5's states
+        (w, h), z = size, lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        return z(1, 16, 1 + (frames - 1) // 4, h // 8, w // 8), {"prompt_embeds": z(1, text_len, config["text_dim"])}

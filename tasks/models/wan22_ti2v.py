@@ -8,10 +8,19 @@ from __future__ import annotations
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Controls, KohyaLayout
 from tasks.models.bases.flow_matching import weighted_loss
+from tasks.models.bases.real_size import RealSize
 from tasks.models.wan import KOHYA_RULES, WanAdapter
 
 torch = lazy("torch")
 
+
+# convert_wan_to_diffusers.py "Wan2.2-TI2V-5B": 24 heads x 128 = 3072 wide, ffn 14336, 30 blocks, 48 channels in and
+# out (the Wan 2.2 VAE's z_dim); its VAE (vae22_diffusers_config: base_dim 160, decoder_base_dim 256, is_residual,
+# patch_size 2, scale_factor_spatial 16)
+TI2V_5B = {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+           "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "patch_size": (1, 2, 2)}
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
+                 patch_size=2, scale_factor_spatial=16, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 
 class Wan22TI2VAdapter(WanAdapter):
     """Wan 2.2 TI2V-5B: the first latent frame replaced by the clean condition, its tokens at timestep 0."""
@@ -54,3 +63,19 @@ class Wan22TI2VAdapter(WanAdapter):
                            return_dict=False)[0]
         target = noise - latents
         return weighted_loss(pred[:, :, 1:], target[:, :, 1:], sigmas, train_cfg)  # the frames it predicts
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # at its model card's 704x1280, 121 frames (31 x 22 x 40 = 27,280 tokens), and 49 for the smaller cards
+    real_sizes = tuple(RealSize(name, "WanTransformer3DModel", TI2V_5B, size=(1280, 704), frames=frames,
+                                vae=("AutoencoderKLWan", WAN22_VAE), text=(("text_encoder", "umt5_xxl"),), rows=rows,
+                                cards=(1,)) for name, frames, rows in (
+        ("wan22_ti2v_5b", 121, ("bf16+ckpt", "nf4+ckpt", "nf4+ckpt+offload+swap24")),
+        ("wan22_ti2v_5b_49f", 49, ("bf16+ckpt", "fp8+ckpt", "nf4+ckpt", "nf4+ckpt+offload"))))
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # 48-channel latents of the Wan 2.2 VAE (/16); the condition: the first frame's latent
+        (w, h), z = size, lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        c, f = config["in_channels"], 1 + (frames - 1) // 4
+        return z(1, c, f, h // 16, w // 16), {"prompt_embeds": z(1, text_len, config["text_dim"]),
+                                              "control_latents": z(1, 1, c, 1, h // 16, w // 16)}

@@ -22,6 +22,7 @@ from __future__ import annotations
 from tasks.lazy import LazyClass, lazy, no_grad
 from tasks.models.bases.adapter import Controls, KohyaLayout
 from tasks.models.bases.flow_matching import weighted_loss
+from tasks.models.bases.real_size import RealSize
 from tasks.models.wan import KOHYA_RULES, WanAdapter, WAN_BLOCK
 
 torch = lazy("torch")
@@ -79,6 +80,17 @@ class FirstFrameConcat:
         return weighted_loss(pred, noise - latents, sigmas, train_cfg)  # velocity target, every frame
 
 
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # bench.memory's full-size inputs: Wan's latents and text, the mask + first-frame latent condition (4 + 16
+        # channels) and, for Wan 2.1, the first frame's CLIP states (CLIP ViT-H/14 at 224 px: 256 patches + class)
+        (w, h), z = size, lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        f = 1 + (frames - 1) // 4
+        text = {"prompt_embeds": z(1, text_len, config["text_dim"]), "control_latents": z(1, 1, 20, f, h // 8, w // 8)}
+        if config.get("image_dim"):
+            text["control_image_embeds"] = z(1, 1, 257, config["image_dim"])
+        return z(1, 16, f, h // 8, w // 8), text
+
 class WanI2VAdapter(FirstFrameConcat, WanAdapter):
     """Wan 2.1 I2V-14B (480P / 720P): one transformer, the CLIP image encoder."""
     family = "wan_i2v"
@@ -104,3 +116,15 @@ class WanI2VAdapter(FirstFrameConcat, WanAdapter):
 
     LORA_TARGETS = (r".*blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0|add_k_proj|"
                     r"add_v_proj))|.*blocks\.\d+\.ffn\.net\.(0\.proj|2)")
+
+    # -- full size (bench.memory: tasks/models/bases/real_size.py) --------------------------------
+    # diffusers' scripts/convert_wan_to_diffusers.py "Wan-I2V-14B-480p": 36 input channels (16 noisy + 4 mask + 16
+    # first-frame latent), the CLIP ViT-H image states (image_dim 1280) through their own key/value projections
+    # (added_kv_proj_dim 5120); else Wan 2.1 T2V-14B's. At its model card's 480x832, 81 frames, and 33 for the smaller
+    # cards. The CLIP image encoder (laion/CLIP-ViT-H-14's vision tower) is encoded with the latents.
+    real_sizes = tuple(RealSize(name, "WanTransformer3DModel", {"in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+                                size=(832, 480), frames=frames, vae=("AutoencoderKLWan", {}),
+                                text=(("text_encoder", "umt5_xxl"),), image_encoders=(("image_encoder", "clip_vit_h"),),
+                                rows=rows, cards=(1,)) for name, frames, rows in (
+        ("wan21_i2v_14b", 81, ("nf4+ckpt", "nf4+ckpt+offload", "nf4+ckpt+offload+swap17")),
+        ("wan21_i2v_14b_33f", 33, ("nf4+ckpt", "nf4+ckpt+offload+swap12", "nf4+ckpt+offload+swap31"))))

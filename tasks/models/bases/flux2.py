@@ -125,3 +125,10 @@ class Flux2Adapter(TransformerAdapter):
                     width=width, height=height, num_inference_steps=steps,
                     max_sequence_length=self.max_sequence_length, generator=generator, output_type="pil",
                     **kwargs).images[0]
+
+    @staticmethod
+    def bench_batch(config, size, frames, text_len):
+        # bench.memory's full-size inputs: the VAE's 32 channels patchified 2x2 (128 at /16); the stacked text states
+        w, h = size
+        return torch.zeros(1, config["in_channels"], h // 16, w // 16, dtype=torch.bfloat16), {
+            "prompt_embeds": torch.zeros(1, text_len, config["joint_attention_dim"], dtype=torch.bfloat16)}
