@@ -35,8 +35,7 @@ from PIL import Image
 
 from bench.file_mutations import FILE_MUTATIONS
 from bench.learns_images import NAMES as IMAGES, generated
-from bench.learns_loaders import (I2V_PIPELINES, MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya,
-                                  model_family)
+from bench.learns_loaders import MERGED, denoiser_of, load_diffusers_file, load_pipeline, merge_kohya, model_family
 from bench.learns_report import BOUND, BOUNDS, RENDER_STEPS, bound, write_results  # noqa: F401
 from bench.learns_report import shown as _shown
 from bench.learns_settings import SETTINGS  # per family; tests read learns.SETTINGS
@@ -192,10 +191,12 @@ def _call_kwargs(pipe, text_tokens: int) -> dict:
     return kw
 
 
-def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None, frames: int | None = None,
-                  text_tokens: int = 32):
+def render_latent(pipe, prompt: str, family: str, seed: int = SEED, steps: int = RENDER_STEPS, control=None,
+                  frames: int | None = None, text_tokens: int = 32):
     """The latent the pipeline hands to vae.decode, rendering `prompt` from the noise of `seed`."""
     import inspect
+
+    from tasks.models import adapter_class
 
     import torch
 
@@ -212,9 +213,7 @@ def render_latent(pipe, prompt: str, seed: int = SEED, steps: int = RENDER_STEPS
 
     pipe.vae.decode = spy
     try:
-        edit = {} if control is None else (  # Kontext rescales to ~1 MP unless told; FLUX.2 takes a list
-            dict(image=control, _auto_resize=False, max_area=SIZE * SIZE) if type(pipe).__name__ == "FluxKontextPipeline"
-            else dict(image=control) if type(pipe).__name__ in I2V_PIPELINES else dict(image=[control]))
+        edit = {} if control is None else adapter_class(family).reference_controls(control, SIZE)
         if frames:  # a video pipeline
             edit["num_frames"] = frames
         pipe(prompt=prompt, **size, num_inference_steps=steps, output_type="np",
@@ -236,7 +235,9 @@ def image_latent(pipe, image: Image.Image | list):
         x = torch.stack([pixels(f) for f in image], dim=1)[None]
     else:
         x = pixels(image)[None]
-    if type(pipe.vae).__name__ == "AutoencoderKLQwenImage":  # a video VAE: one frame
+    if type(pipe.vae).__name__ == "AutoencoderKLQwenImage21":  # RGBA pixels: opaque, as loraflow encodes them
+        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    if type(pipe.vae).__name__ in ("AutoencoderKLQwenImage", "AutoencoderKLQwenImage21"):  # a video VAE: one frame
         x = x[:, :, None]
     with torch.no_grad():
         return pipe.vae.encode(x.to(pipe.vae.dtype)).latent_dist.mode().float().flatten()
@@ -261,7 +262,7 @@ def mutated(model: str, base: Path, files: dict[str, Path], work: Path) -> dict[
 def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo") -> dict:
     """err_base, err_lora (the diffusers file), ratio, and the ratio of every exported file."""
     i2v = SETTINGS.get(model, {}).get("i2v")
-    text_tokens = model_family(model)[1]
+    family, text_tokens = model_family(model)
     pipe = load_pipeline(base, model)
     name, (image, caption) = image, training_image(model, image)
     clip = SETTINGS.get(model, {}).get("clip")
@@ -277,7 +278,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo"
     target = image_latent(pipe, image)
     control = image[0] if i2v else control_image(model, name)  # image-to-video: from the clip's first frame
     frames = FRAMES if clip else None
-    err_base = float(((render_latent(pipe, caption, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
+    err_base = float(((render_latent(pipe, caption, family, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
     ratios, errs, loaders = {}, {}, {}
     for fmt, file in sorted(files.items()):
         pipe = load_pipeline(base, model)
@@ -297,7 +298,7 @@ def evaluate(model: str, base: Path, files: dict[str, Path], image: str = "demo"
                 load_diffusers_file(pipe, file)
             if expert in ("low", "both"):
                 pipe.load_lora_weights(str(file), load_into_transformer_2=True)
-        errs[fmt] = float(((render_latent(pipe, caption, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
+        errs[fmt] = float(((render_latent(pipe, caption, family, control=control, frames=frames, text_tokens=text_tokens) - target) ** 2).mean())
         ratios[fmt] = errs[fmt] / err_base
     main = "diffusers" if "diffusers" in files else sorted(files)[0]
     return {"err_base": err_base, "err_lora": errs[main], "ratio": ratios[main], "files": ratios, "loaders": loaders}

@@ -18,18 +18,6 @@ def merged() -> dict[str, str]:
 MERGED = merged()
 
 
-def i2v_pipelines() -> tuple[str, ...]:
-    """The image-to-video pipelines (bench/learns.py renders them from the clip's first frame, `image=`): those of
-    the families whose control is the first frame."""
-    from tasks.models import FAMILIES, adapter_class
-
-    return tuple(sorted({adapter_class(f).pipeline_cls.__name__ for f in FAMILIES
-                         if adapter_class(f).controls.first_frame}))
-
-
-I2V_PIPELINES = i2v_pipelines()
-
-
 def denoiser_of(pipe):
     return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
 

@@ -21,6 +21,10 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_cls = LazyClass("diffusers", "FluxKontextPipeline")
     controls = Controls(most=1)  # Kontext conditions on one image
 
+    @classmethod
+    def reference_controls(cls, control, size):
+        return dict(image=control, _auto_resize=False, max_area=size * size)  # else it rescales to ~1 MP
+
     def training_loss(self, transformer, latents, text, train_cfg, scheduler, generators):
         control = text.get("control_latents")
         if control is None:

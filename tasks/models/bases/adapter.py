@@ -166,6 +166,12 @@ class FamilyAdapter(ABC):
             return cls.pipeline_cls.from_pretrained(base, use_safetensors=True)
         return diffusers.DiffusionPipeline.from_pretrained(base, use_safetensors=True)
 
+    @classmethod
+    def reference_controls(cls, control, size: int) -> dict:
+        """The pipeline's call arguments for one control image at a square `size` (the learning check's render):
+        an image-to-video pipeline's first frame, else a list of references (FLUX.2, Qwen-Image-Edit)."""
+        return dict(image=control) if cls.controls.first_frame else dict(image=[control])
+
     def configure(self, model_cfg: ModelConfig) -> None:
         """Model options a family reads beyond the common ones (Wan 2.2: model.expert); none by default."""
         if model_cfg.expert:
