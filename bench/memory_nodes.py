@@ -89,9 +89,9 @@ def write_model(model: str, root: Path) -> Path:
     adapter, _, _ = random_adapter(model, torch.device("meta"))
     den = adapter.load_denoiser()
     model_headers(den, folder)
-    if real(model).denoisers == 2:  # Wan 2.2 A14B: both experts in the folder
+    for sub in real(model).denoisers[1:]:  # Wan 2.2 A14B's second expert, Ideogram 4's unconditional transformer
         model_headers(den, folder / "_2")
-        (folder / "_2" / "transformer").rename(folder / "transformer_2")
+        (folder / "_2" / "transformer").rename(folder / sub)
         (folder / "_2").rmdir()
     for sub, name in (*real(model).text, *real(model).image_encoders):
         enc = build(name)

@@ -12,7 +12,8 @@ from tasks.models import FAMILIES, adapter_class
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
-NEW = ["zimage", "qwenimage", "flux2_klein", "flux2_dev"]  # the 2026 families
+# the 2026 families (the first wave, then issue 64's)
+NEW = ["zimage", "qwenimage", "flux2_klein", "flux2_dev", "krea2", "ideogram4", "qwenimage21", "chroma", "ernie_image"]
 
 
 def image_families() -> list[str]:

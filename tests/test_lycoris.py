@@ -45,6 +45,20 @@ COMFY_LYCORIS = {  # diffusers Linear names the `lycoris_` keys reach, per famil
     "zimage": rf"(layers|context_refiner|noise_refiner){_N}(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123]"
               r"|adaLN_modulation\.0)|x_embedder|final_layer\.linear",
     "qwenimage": r".+",  # its ComfyUI model has diffusers' names
+    # ComfyUI maps no `lycoris_` name for Krea 2, only its generic `lora_unet_<model key>`: the file is in its model's
+    # names (lycoris_names="comfyui"), every Linear of which has one (tests/test_krea2.py checks them on its source)
+    "krea2": r".+",
+    "chroma": _FLUX,  # ComfyUI's Chroma model is a Flux subclass (model_base.py): the Flux branch's names
+    # ERNIE-Image: no `lycoris_` name either (no ErnieImage branch in model_lora_keys_unet); its model has diffusers'
+    # names (comfy/ldm/ernie/model.py), so the generic `lora_unet_<key>` reaches every Linear (tests/test_ernie_image.py)
+    "ernie_image": r".+",
+    # Ideogram 4: no `lycoris_` name either; its ComfyUI model (comfy/ldm/ideogram4/model.py) has q/k/v as one
+    # attention.qkv, the rest diffusers' names (tests/test_ideogram4.py): every Linear by the generic rule
+    "ideogram4": r".+",
+    # Qwen-Image 2.1: no `lycoris_` name known (ComfyUI's qwen_image21 source is not in the index); its model fuses the
+    # MLP's gate_layer/proj into img_mlp.gate_up, the rest diffusers' names (tests/test_qwenimage21.py): the blocks'
+    # Linears by the generic rule
+    "qwenimage21": rf"transformer_blocks{_N}(attn\.(to_[qkv]|to_out\.0)|img_mlp\.(proj|gate_layer|out))",
 }
 COMFY_LYCORIS["sd15"] = COMFY_LYCORIS["sdxl"]
 
@@ -97,6 +111,11 @@ def test_lycoris_file_loads_every_key_in_comfyui_with_the_trained_delta(family, 
     adapter, den = _denoiser(family, model_dirs(family))
     linears = [n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
     den.add_adapter(lycoris.make_config(network, rank, alpha, adapter.default_lora_targets()))
+    comfy_names = adapter.kohya.lycoris_names == "comfyui"  # the file in ComfyUI's module names (Krea 2)
+    if network == "lokr" and comfy_names:  # row blocks of one ComfyUI module share w2, as training ties them
+        from tasks.training.export_lycoris import fused_groups  # (Ideogram 4's q/k/v: one attention.qkv)
+
+        lycoris.share_w2(den, fused_groups(family, [n for n, m in den.named_modules() if hasattr(m, "get_delta_weight")]))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # as training leaves it: every factor non-zero (peft starts one at zero)
         for n, p in den.named_parameters():
@@ -104,10 +123,19 @@ def test_lycoris_file_loads_every_key_in_comfyui_with_the_trained_delta(family, 
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in den.peft_config["default"].to_dict().items()}
     sd = get_peft_model_state_dict(den)
-    file = to_lycoris(sd, config)
+    file = to_lycoris(sd, config, family if comfy_names else None)
 
-    names = {"lycoris_" + n.replace(".", "_"): n for n in linears if re.fullmatch(COMFY_LYCORIS[family], n)}
+    mapped = [n for n in linears if re.fullmatch(COMFY_LYCORIS[family], n)]
+    if comfy_names:
+        from tasks.training.export_comfyui import comfyui_slots
+
+        names = {"lora_unet_" + k: tuple(ms) for k, ms in comfyui_slots(family, mapped).items()}
+    else:
+        names = {"lycoris_" + n.replace(".", "_"): n for n in mapped}
     merged = comfyui_merge(file, names)
+    if comfy_names:  # a ComfyUI module's delta: its row blocks, one per diffusers Linear (fused ones: several)
+        out = {n: m.weight.shape[0] for n, m in den.named_modules() if n in linears}  # peft's layers too
+        merged = {m: d for ms, delta in merged.items() for m, d in zip(ms, delta.split([out[m] for m in ms]))}
     layers = {n: m for n, m in den.named_modules() if hasattr(m, "get_delta_weight")}
     assert set(merged) == set(layers), sorted(set(merged) ^ set(layers))
     parts = lycoris.modules_of(sd, network)

@@ -42,6 +42,13 @@ FAMILIES = {
                         "tasks.models.tiny.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
     "hunyuan_video15_i2v": ("tasks.models.hunyuan_video15_i2v:HunyuanVideo15I2VAdapter",
                             "tasks.models.tiny.tiny_hunyuan_video15_i2v:build_tiny_hunyuan_video15_i2v"),
+    "qwenimage21": ("tasks.models.qwenimage21:QwenImage21Adapter",
+                    "tasks.models.tiny.tiny_qwenimage21:build_tiny_qwenimage21"),
+    "chroma": ("tasks.models.chroma:ChromaAdapter", "tasks.models.tiny.tiny_chroma:build_tiny_chroma"),
+    "ernie_image": ("tasks.models.ernie_image:ErnieImageAdapter",
+                    "tasks.models.tiny.tiny_ernie_image:build_tiny_ernie_image"),
+    "krea2": ("tasks.models.krea2:Krea2Adapter", "tasks.models.tiny.tiny_krea2:build_tiny_krea2"),
+    "ideogram4": ("tasks.models.ideogram4:Ideogram4Adapter", "tasks.models.tiny.tiny_ideogram4:build_tiny_ideogram4"),
 }
 
 

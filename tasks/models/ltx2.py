@@ -36,6 +36,16 @@ What follows which reference:
   (LTX-2.3; the argument's docs call False LTX-2.0's behaviour). The audio is rendered and left out of the Video.
 - Sizes: multiples of 32 (the pipeline refuses others). The decoder pads by reflection, so a side needs at least
   two latent cells: 64 px.
+- Versions: LTX-2.3 and LTX-2.5 folders (diffusers layout) train and sample as they are; what differs is read from
+  the folder. The text encoder is the class model_index.json names (Gemma 3 in 2.0 and 2.3,
+  Gemma4UnifiedForConditionalGeneration in 2.5; encode_prompt stacks either's hidden states). 2.3/2.5's connectors
+  project per modality (`per_modality_projections`: video 4096, audio 2048 wide, where 2.0 gives both Gemma's
+  width), so the cache keeps two widths and CachedConnectors splits at the connectors' video width. Their
+  transformer has no caption projection and modulates the text keys/values by `sigma` (passed as the pipeline
+  passes it: the scaled timestep); the video latent space (128 channels, /32, /8, per-channel statistics) is
+  unchanged. 2.5's optional parts stay unloaded (duration head, Gemma 4 prompt enhancer and processor: num_frames
+  is always given, prompt enhancement is off); its samples decode with the conv `vae`, as LTX2Pipeline does (2.5's
+  diffusion decoder runs in a pipeline of its own).
 
 Untested with the real weights here."""
 from __future__ import annotations
@@ -55,28 +65,32 @@ np, Image = lazy("numpy"), lazy("PIL.Image")  # decoding a video only; a no-op r
 
 log = logging.getLogger("loraflow")
 _SAFE = dict(use_safetensors=True)
-_TEXT_PARTS = dict(transformer=None, vae=None, audio_vae=None, vocoder=None, **_SAFE)
+# LTX-2.5's optional parts stay unloaded: its Gemma 4 prompt enhancer and processor (LTX2Pipeline runs them only with
+# enable_prompt_enhancement) and its duration head (it predicts num_frames only when a caller omits them)
+_UNUSED = dict(prompt_enhancer=None, processor=None, duration_head=None)
+_TEXT_PARTS = dict(transformer=None, vae=None, audio_vae=None, vocoder=None, **_UNUSED, **_SAFE)
 _WARNED: set[str] = set()
 
 
 @functools.cache
 def _cached_connectors_class() -> type:
     """LTX2Pipeline's `connectors` for text that already went through them (the cache): its `prompt_embeds` are the
-    video and audio connector outputs side by side, its mask the connectors' mask. No weights (a scalar buffer
-    gives `pipe.to` a dtype and device); a subclass, so the pipeline's type check passes. Defined on first use."""
+    video and audio connector outputs side by side (`video_width` wide, then the audio's: equal in LTX-2.0, 4096
+    and 2048 in LTX-2.3/2.5), its mask the connectors' mask. No weights (a scalar buffer gives `pipe.to` a dtype and
+    device); a subclass, so the pipeline's type check passes. Defined on first use."""
     from diffusers import ModelMixin
     from diffusers.configuration_utils import register_to_config
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
     class CachedConnectors(LTX2TextConnectors):
         @register_to_config
-        def __init__(self):
+        def __init__(self, video_width: int = 0):
             ModelMixin.__init__(self)  # none of the connectors' layers
             self.register_buffer("anchor", torch.zeros(()), persistent=False)
 
         def forward(self, text_encoder_hidden_states, attention_mask, padding_side="left", scale_factor=8):
-            video, audio = text_encoder_hidden_states.chunk(2, dim=-1)
-            return video, audio, attention_mask
+            video = text_encoder_hidden_states[..., :self.config.video_width]
+            return video, text_encoder_hidden_states[..., self.config.video_width:], attention_mask
 
     return CachedConnectors
 
@@ -184,7 +198,16 @@ class LTX2Adapter(TransformerAdapter):
     @property
     def sample_parts(self) -> dict:
         # the text arrives as cached connector outputs (CachedConnectors): no Gemma, tokenizer or connector weights
-        return dict(text_encoder=None, tokenizer=None, connectors=_cached_connectors_class()(), **_SAFE)
+        return dict(text_encoder=None, tokenizer=None, connectors=_cached_connectors_class()(self._video_text_width()),
+                    **_UNUSED, **_SAFE)
+
+    def _video_text_width(self) -> int:
+        """The video connector's output width (the connectors' config): LTX-2.0 projects Gemma's states to its width
+        for both streams; LTX-2.3/2.5 (`per_modality_projections`) to each stream's own (`video_hidden_dim`)."""
+        import json
+
+        c = json.loads((self.model_dir / "connectors" / "config.json").read_text())
+        return c["video_hidden_dim"] if c.get("per_modality_projections") else c["caption_channels"]
 
     def _embeds(self, pipe, d: dict, name: str) -> dict:
         d = on_pipeline_device(pipe, d)
@@ -225,9 +248,12 @@ class LTX2Adapter(TransformerAdapter):
 
     @staticmethod
     def bench_batch(config, size, frames, text_len):
-        # 128-channel latents (/8 in time, /32 in space); the connectors' video and audio text
+        # 128-channel latents (/8 in time, /32 in space); the connectors' video and audio text (LTX-2.3/2.5, without
+        # the transformer's caption projection: at the streams' cross-attention widths)
         (w, h), z = size, lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+        video, audio = ((config["caption_channels"],) * 2 if config.get("use_prompt_embeddings", True)
+                        else (config["cross_attention_dim"], config["audio_cross_attention_dim"]))
         return z(1, 128, 1 + (frames - 1) // 8, h // 32, w // 32), {
-            "prompt_embeds": z(1, text_len, config["caption_channels"]),
-            "audio_prompt_embeds": z(1, text_len, config["caption_channels"]),
+            "prompt_embeds": z(1, text_len, video),
+            "audio_prompt_embeds": z(1, text_len, audio),
             "attention_mask": torch.ones(1, text_len, dtype=torch.int64)}

@@ -18,6 +18,6 @@ class Wan22I2VAdapter(FirstFrameConcat, Wan22Adapter):
     # convert_wan_to_diffusers.py "Wan2.2-I2V-14B-720p" (each expert): 36 input channels, no image states; one expert
     # (model.expert=high|low; the two have the same shapes) or both (the `_both` card rows: both experts resident)
     real_sizes = tuple(RealSize(name, "WanTransformer3DModel", {"in_channels": 36}, size=(832, 480), frames=frames,
-                                vae=("AutoencoderKLWan", {}), text=(("text_encoder", "umt5_xxl"),), denoisers=2,
+                                vae=("AutoencoderKLWan", {}), text=(("text_encoder", "umt5_xxl"),), denoisers=("transformer", "transformer_2"),
                                 rows=rows, cards=(1, 2)) for name, frames, rows in (
         ("wan22_i2v_a14b", 81, ("nf4+ckpt", "nf4+ckpt+offload+swap11")), ("wan22_i2v_a14b_33f", 33, ())))

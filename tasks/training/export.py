@@ -46,8 +46,9 @@ st = lazy("safetensors.torch")
 FAMILIES = tuple(REGISTRY)
 LORA_META = "lora_adapter_metadata"  # diffusers' key for the peft config(s), "<component>.<field>"
 CODE_VERSION = "5"  # bump when the key mapping, scaling or metadata changes: stored exports are re-derived
-# A group rule's slots: q, k, v (and Flux's single-block mlp) within the original fused Linear
-RULE_SLOTS = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3}
+# A group rule's slots: q, k, v (and Flux's single-block mlp) within the original fused Linear; a SwiGLU's gate and
+# up projections within a fused `gate_up` (Qwen-Image 2.1's ComfyUI model: gate rows first)
+RULE_SLOTS = {"q": 0, "k": 1, "v": 2, "proj_mlp": 3, "gate_layer": 0, "proj": 1}
 # Output width of each slot relative to q's: Flux's single block has mlp_ratio 4 (hard-wired in BFL's and
 # diffusers' code: linear1 = 3 * 3072 + 12288). Used to zero-fill slots that were not trained.
 _SLOT_WIDTH = (1, 1, 1, 4)

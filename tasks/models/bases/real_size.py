@@ -21,7 +21,8 @@ class RealSize:
     model.expert=both: 2, the row `<name>_both`); train_goal_gib: the GiB some train row is meant to fit.
     image_encoders: (component, encoder) as `text`, but encoded with the latents (Wan 2.1 I2V's CLIP);
     modules: (component, "module:Class") other diffusers modules of the folder at their class defaults (LTX-2's text
-    connectors); denoisers: the denoiser folders the sample node loads (Wan 2.2 A14B: both experts)."""
+    connectors); denoisers: the denoiser folders the sample node loads, each the same shapes (Wan 2.2 A14B: both
+    experts; Ideogram 4: the conditional and the unconditional transformer)."""
     name: str
     denoiser: str
     arch: dict = field(default_factory=dict)
@@ -35,7 +36,7 @@ class RealSize:
     train_goal_gib: float | None = None
     image_encoders: tuple = ()
     modules: tuple = ()
-    denoisers: int = 1
+    denoisers: tuple[str, ...] = ("transformer",)
 
     def card_rows(self) -> tuple:
         """(card-table key, model, denoiser copies) of each of its card-table rows."""

@@ -43,6 +43,8 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 LTX2_ARCH: dict = {
+    # "2.0" builds here; "2.3" / "2.5" build those versions' layouts (tiny_ltx2_versions.py)
+    "version": "2.0",
     # LTX2VideoTransformer3DModel (diffusers' fast-test sizes): video inner dim = heads x head dim = its
     # cross_attention_dim; audio likewise; caption_channels = the Gemma width
     "num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8,
@@ -139,7 +141,8 @@ def _audio(a: dict, seeded) -> tuple:
 
 
 def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
-    """Tiny random-weight `LTX2Pipeline` (Lightricks/LTX-2 layout) saved in diffusers layout under `out_dir`.
+    """Tiny random-weight `LTX2Pipeline` (Lightricks/LTX-2 layout; arch["version"] "2.3" / "2.5": those versions'
+    layouts, tiny_ltx2_versions.py) saved in diffusers layout under `out_dir`.
     Clips are 1 + 8k frames, sizes multiples of 32 and at least 64 (the decoder pads by reflection); call with e.g.
     height/width 64, num_frames 9 and `max_sequence_length=32` (a multiple of the connectors' 8 registers)."""
     from diffusers import (
@@ -149,6 +152,10 @@ def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
+    if str((arch or {}).get("version", "2.0")) != "2.0":  # LTX-2.3 / LTX-2.5: model.arch.version, same family
+        from tasks.models.tiny.tiny_ltx2_versions import build_tiny_ltx2_version
+
+        return build_tiny_ltx2_version(out_dir, seed, arch)
     a = resolve_arch(LTX2_ARCH, arch)
     tokenizer = gemma_tokenizer(a["gemma_num_merges"])
     seeded = seeder(seed, 6)
