@@ -333,3 +333,12 @@ def pictures(markdown: str) -> list:
     from PIL import Image
 
     return [(alt, Image.open(io.BytesIO(base64.b64decode(data)))) for alt, _, data in DATA_URL.findall(markdown)]
+
+
+def lycoris_magnitude(parts: dict) -> float:
+    """The largest sum of |terms| behind an element of the delta: what its float32 rounding scales with."""
+    a = {k: v.detach().double().abs() for k, v in parts.items()}
+    if "hada_w1_a" in a:
+        return (a["hada_w1_a"] @ a["hada_w1_b"]).max().item() * (a["hada_w2_a"] @ a["hada_w2_b"]).max().item()
+    w2 = a["lokr_w2"] if "lokr_w2" in a else a["lokr_w2_a"] @ a["lokr_w2_b"]
+    return a["lokr_w1"].max().item() * w2.max().item()

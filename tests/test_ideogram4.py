@@ -299,7 +299,7 @@ def test_lycoris_file_is_mapped_completely_by_comfyui_with_the_trained_delta(ada
     (tests/comfyui_video.py), to the trained delta, q/k/v fused into qkv (LoKr: w2 shared, as training ties it)."""
     from comfyui_video import lycoris_merge
     from peft import get_peft_model_state_dict
-    from test_video_lycoris import _magnitude
+    from support import lycoris_magnitude as _magnitude
     from tolerance import rounding
 
     from tasks.models.lora_variants import lycoris

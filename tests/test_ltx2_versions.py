@@ -21,7 +21,7 @@ import torch
 from tasks.config_schema import TrainConfig
 from tasks.data.clips import Video
 from tasks.models.ltx2 import LTX2Adapter
-from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2
+from tasks.models.tiny.tiny_ltx2_versions import build_tiny_ltx2
 from tasks.models.tiny.tiny_ltx2_versions import build_tiny_ltx23, build_tiny_ltx25
 
 L = 32  # Gemma tokens (tiny_ltx23.yaml / tiny_ltx25.yaml's max_sequence_length)

@@ -28,6 +28,7 @@ from tasks.models.lora_variants import lycoris
 from tasks.store import Store
 from tasks.training.export_lycoris import fused_groups, to_lycoris
 from comfyui_video import comfy_keys, lycoris_merge
+from support import lycoris_magnitude
 from tolerance import rounding
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,13 +50,8 @@ def tiny(tmp_path_factory):
     return get
 
 
-def _magnitude(parts: dict) -> float:
-    """The largest sum of |terms| behind an element of the delta: what its float32 rounding scales with."""
-    a = {k: v.detach().double().abs() for k, v in parts.items()}
-    if "hada_w1_a" in a:
-        return (a["hada_w1_a"] @ a["hada_w1_b"]).max().item() * (a["hada_w2_a"] @ a["hada_w2_b"]).max().item()
-    w2 = a["lokr_w2"] if "lokr_w2" in a else a["lokr_w2_a"] @ a["lokr_w2_b"]
-    return a["lokr_w1"].max().item() * w2.max().item()
+_magnitude = lycoris_magnitude
+
 
 
 @pytest.mark.parametrize("network", ["loha", "lokr"])

@@ -37,7 +37,7 @@ FAMILIES = {
     "wan_i2v": ("tasks.models.wan_i2v:WanI2VAdapter", "tasks.models.tiny.tiny_wan_i2v:build_tiny_wan_i2v"),
     "wan22_i2v": ("tasks.models.wan22_i2v:Wan22I2VAdapter", "tasks.models.tiny.tiny_wan_i2v:build_tiny_wan22_i2v"),
     "wan22_ti2v": ("tasks.models.wan22_ti2v:Wan22TI2VAdapter", "tasks.models.tiny.tiny_wan_i2v:build_tiny_wan22_ti2v"),
-    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.tiny_ltx2:build_tiny_ltx2"),
+    "ltx2": ("tasks.models.ltx2:LTX2Adapter", "tasks.models.tiny.tiny_ltx2_versions:build_tiny_ltx2"),
     "hunyuan_video15": ("tasks.models.hunyuan_video15:HunyuanVideo15Adapter",
                         "tasks.models.tiny.tiny_hunyuan_video15:build_tiny_hunyuan_video15"),
     "hunyuan_video15_i2v": ("tasks.models.hunyuan_video15_i2v:HunyuanVideo15I2VAdapter",

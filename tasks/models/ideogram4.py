@@ -124,6 +124,8 @@ def packed_ids(mask, gh: int, gw: int):
 
 
 class _PipelineClass:
+    name = "Ideogram4Pipeline"  # as LazyClass: the folder's class, read without importing (tasks/lora_tools/models.py)
+
     def __get__(self, obj, owner=None) -> type:
         return _pipeline_class()
 

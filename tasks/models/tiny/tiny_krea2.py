@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, K
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.tiny_qwenimage import _QWEN25VL_SPECIALS, qwen25vl_tokenizer
+from tasks.models.tiny.tiny_qwenimage import QWEN25VL_SPECIALS, qwen25vl_tokenizer
 
 KREA2_ARCH: dict = {
     # Krea2Transformer2DModel: width = heads x head_dim; GQA as the real one (48 query / 12 key-value heads);
@@ -54,7 +54,7 @@ def build_tiny_krea2(out_dir: str | Path, seed: int = 0, arch: dict | None = Non
         latents_mean=[round(0.1 * (i - a["z_dim"] / 2), 4) for i in range(a["z_dim"])],
         latents_std=[round(1.0 + 0.25 * i, 4) for i in range(a["z_dim"])],
     ))
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN25VL_SPECIALS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN25VL_SPECIALS}
     text_encoder = seeded(2, lambda: Qwen3VLModel(Qwen3VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=a["qwen_hidden_size"],
                          intermediate_size=a["qwen_intermediate_size"], num_hidden_layers=a["qwen_layers"],

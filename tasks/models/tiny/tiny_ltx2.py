@@ -80,7 +80,7 @@ def gemma_tokenizer(num_merges: int):
     return tokenizer
 
 
-def _gemma3(a: dict, tokenizer):
+def gemma3_encoder(a: dict, tokenizer):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIALS}
@@ -124,7 +124,7 @@ def _video_vae(a: dict):
     return vae
 
 
-def _audio(a: dict, seeded) -> tuple:
+def audio_parts(a: dict, seeded) -> tuple:
     from diffusers import AutoencoderKLLTX2Audio
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
@@ -152,14 +152,13 @@ def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    if str((arch or {}).get("version", "2.0")) != "2.0":  # LTX-2.3 / LTX-2.5: model.arch.version, same family
-        from tasks.models.tiny.tiny_ltx2_versions import build_tiny_ltx2_version
-
-        return build_tiny_ltx2_version(out_dir, seed, arch)
+    if str((arch or {}).get("version", "2.0")) != "2.0":  # LTX-2.3 / 2.5: tiny_ltx2_versions.build_tiny_ltx2
+        raise ValueError(f"arch version={arch['version']!r}: build_tiny_ltx2 builds LTX-2.0; the registry's "
+                         "tiny_ltx2_versions.build_tiny_ltx2 builds every version")
     a = resolve_arch(LTX2_ARCH, arch)
     tokenizer = gemma_tokenizer(a["gemma_num_merges"])
     seeded = seeder(seed, 6)
-    audio_vae, vocoder = _audio(a, seeded)
+    audio_vae, vocoder = audio_parts(a, seeded)
     inner = a["num_attention_heads"] * a["attention_head_dim"]
     audio_inner = a["audio_num_attention_heads"] * a["audio_attention_head_dim"]
     latent_mel_bins = a["audio_mel_bins"] // audio_vae.mel_compression_ratio
@@ -176,7 +175,7 @@ def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None
         rope_double_precision=True, timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000,
     ))
     vae = seeded(1, lambda: _video_vae(a))
-    text_encoder = seeded(2, lambda: _gemma3(a, tokenizer))
+    text_encoder = seeded(2, lambda: gemma3_encoder(a, tokenizer))
     connectors = seeded(5, lambda: LTX2TextConnectors(
         caption_channels=a["gemma_hidden_size"], text_proj_in_factor=a["gemma_layers"] + 1,
         video_connector_num_attention_heads=a["connector_heads"],

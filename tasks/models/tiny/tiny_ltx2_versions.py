@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 
 from tasks.models.tiny.common import resolve_arch, seeder
-from tasks.models.tiny.tiny_ltx2 import GEMMA_SPECIALS, LTX2_ARCH, _audio, _gemma3, gemma_tokenizer
+from tasks.models.tiny.tiny_ltx2 import LEARNS  # noqa: F401 (the registry's builder module: bench/learns_settings.py)
+from tasks.models.tiny.tiny_ltx2 import build_tiny_ltx2 as build_tiny_ltx2_0
+from tasks.models.tiny.tiny_ltx2 import GEMMA_SPECIALS, LTX2_ARCH, audio_parts, gemma3_encoder, gemma_tokenizer
 
 VERSIONS = ("2.3", "2.5")
 LTX2_VERSION_ARCH: dict = {
@@ -102,6 +104,13 @@ def _vocoder_bwe(a: dict):
         num_mel_channels=mel, input_sampling_rate=16000, output_sampling_rate=48000)
 
 
+def build_tiny_ltx2(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+    """The registry's tiny LTX-2 builder: model.arch.version 2.0 (the default: tiny_ltx2.build_tiny_ltx2), 2.3 or 2.5."""
+    if str((arch or {}).get("version", "2.0")) == "2.0":
+        return build_tiny_ltx2_0(out_dir, seed, {k: v for k, v in (arch or {}).items() if k != "version"})
+    return build_tiny_ltx2_version(out_dir, seed, arch)
+
+
 def build_tiny_ltx2_version(out_dir: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
     """Tiny random-weight LTX-2.3 / LTX-2.5 `LTX2Pipeline` (arch["version"]) saved in diffusers layout under
     `out_dir`. Clips 1 + 8k frames, sides multiples of 32; `max_sequence_length` a multiple of 8 (the registers)."""
@@ -116,7 +125,7 @@ def build_tiny_ltx2_version(out_dir: str | Path, seed: int = 0, arch: dict | Non
     v25 = a["version"] == "2.5"
     tokenizer = gemma_tokenizer(a["gemma_num_merges"])
     seeded = seeder(seed, 8)
-    audio_vae, _ = _audio(a, seeded)
+    audio_vae, _ = audio_parts(a, seeded)
     vocoder = seeded(4, lambda: _vocoder_bwe(a))
     heads, head_dim = a["num_attention_heads"], a["attention_head_dim"]
     audio_heads, audio_head_dim = a["audio_num_attention_heads"], a["audio_attention_head_dim"]
@@ -136,7 +145,7 @@ def build_tiny_ltx2_version(out_dir: str | Path, seed: int = 0, arch: dict | Non
         **(dict(ff_bias=False, use_keyframes_abs_pos_embedding=True) if v25 else {}),
     ))
     vae = seeded(1, lambda: _video_vae(a))
-    text_encoder = seeded(2, lambda: (_gemma4 if v25 else _gemma3)(a, tokenizer))
+    text_encoder = seeded(2, lambda: (_gemma4 if v25 else gemma3_encoder)(a, tokenizer))
     connectors = seeded(5, lambda: LTX2TextConnectors(
         caption_channels=a["gemma_hidden_size"], text_proj_in_factor=a["gemma_layers"] + 1,
         video_connector_num_attention_heads=heads, video_connector_attention_head_dim=head_dim,

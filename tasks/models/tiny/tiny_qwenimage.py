@@ -18,7 +18,7 @@ QWENIMAGE_SYSTEM = ("Describe the image by detailing the color, shape, size, tex
                     "relationships of the objects and background:")
 
 
-_QWEN25VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+QWEN25VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -32,7 +32,7 @@ def qwen25vl_tokenizer(num_merges: int, system: str = QWENIMAGE_SYSTEM) -> Qwen2
     """Qwen2.5-VL's layout: byte-level BPE, <|endoftext|> pad, <|im_end|> eos, the vision specials; `system`:
     the pipeline's template text, learnt whole-word so its dropped prefix has the real tokenizer's length."""
     lines = corpus() + [system, "system", "user", "assistant"] * 40  # role names start a line
-    return qwen_bpe_tokenizer(num_merges, lines, _QWEN25VL_SPECIALS, QWEN25VL_CHAT_TEMPLATE)
+    return qwen_bpe_tokenizer(num_merges, lines, QWEN25VL_SPECIALS, QWEN25VL_CHAT_TEMPLATE)
 
 
 QWENIMAGE_ARCH: dict = {
@@ -69,7 +69,7 @@ def qwenimage_parts(a: dict, tokenizer, seeded) -> dict:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN25VL_SPECIALS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN25VL_SPECIALS}
     transformer = seeded(0, lambda: QwenImageTransformer2DModel(
         patch_size=2, in_channels=4 * a["z_dim"], out_channels=a["z_dim"], num_layers=a["num_layers"],
         attention_head_dim=a["attention_head_dim"], num_attention_heads=a["num_attention_heads"],

@@ -59,7 +59,9 @@ def build_tiny_qwenimage21(out_dir: str | Path, seed: int = 0, arch: dict | None
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from tasks.models.qwenimage21 import TextProcessor
+    from tasks.models.tiny.qwen3vl_text_processor import text_processor_cls
+
+    TextProcessor = text_processor_cls()
 
     a = resolve_arch(QWENIMAGE21_ARCH, arch)
     tokenizer = qwen3vl_tokenizer(a["qwen_num_merges"])
