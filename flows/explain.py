@@ -21,7 +21,7 @@ import logging
 import sys
 
 from flows.errors import USER_ERRORS
-from tasks import cache_latents, cache_text, sample, train, validate
+from tasks import caption, cache_latents, cache_text, sample, train, validate
 from tasks.config import Config, compose, resolve_paths
 from tasks.store.hashing import changed_inputs, key_of
 from tasks.report import NODES, readable_changes
@@ -68,14 +68,23 @@ def explain(config_name: str = "train", overrides: list[str] | None = None) -> d
     record = store.read_record(config_name)
     previous = (record or {}).get("inputs", {})
 
-    plan = validate.run(cfg, store)
+    # the caption node: the captions the store holds; one it would make is a placeholder (its text is unknown:
+    # the texts and everything downstream of it count as work, as they would be)
+    wanted, caption_keys, caption_inputs, _ = caption.planned(cfg, store)
+    stored = caption.stored_captions(store, wanted, caption_keys)
+    made = {**{w.image: f"<caption of {w.name} to be made>" for w in wanted}, **stored}
+    plan = validate.run(cfg, store, made if cfg.data.captions != "file" else None)
     latent_keys = cache_latents.item_keys(cfg, plan)
     text_keys = cache_text.item_keys(cfg, plan)
     train_inputs = train.inputs(cfg, plan, latent_keys, text_keys)
     lora_key = key_of(train_inputs)
     sample_keys = sample.item_keys(cfg, plan, lora_key, text_keys)
 
-    nodes = {"validate": _entry(validate.images(plan), 0, previous.get("validate"), validate.inputs(plan))}
+    compute, reuse = _items(store, caption.KIND, caption_keys.values())
+    if cfg.data.captions == "regenerate":
+        compute, reuse = compute + reuse, 0
+    nodes = {"caption": _entry(compute, reuse, previous.get("caption"), caption_inputs, key=key_of(caption_inputs))}
+    nodes["validate"] = _entry(validate.images(plan), 0, previous.get("validate"), validate.inputs(plan))
     nodes["cache_latents"] = _entry(*_items(store, cache_latents.KIND, latent_keys.values()),
                                     previous.get("cache_latents"), cache_latents.inputs(cfg, plan),
                                     key=cache_latents.key_of_node(cfg, plan))

@@ -97,6 +97,10 @@ def log_nodes(nodes: dict, cfg: Config | None = None, config_name: str | None = 
         if name == "validate":
             logging.getLogger(LOGGER).info("%-14s checked %d items, %.1f s", name + ":", e.get("computed", 0), seconds)
             continue
+        if name == "caption" and e.get("captions", {}).get("mode", "file") == "file":
+            logging.getLogger(LOGGER).info("%-14s off (data.captions=file: the caption files are the captions)",
+                                           name + ":")
+            continue
         if not e.get("computed"):
             logging.getLogger(LOGGER).info("%-14s cached (%d reused), %.1f s", name + ":", e.get("reused", 0), seconds)
             continue

@@ -1,4 +1,4 @@
-"""The five Prefect tasks: thin shells over the plain functions in tasks/.
+"""The Prefect tasks of the nodes: thin shells over the plain functions in tasks/.
 
 Prefect's cache key for a node is loraflow's own node key (content digests + code versions), never
 Prefect's hash of pickled inputs. Prefect holds keys, the store holds everything else: the plan (every
@@ -13,7 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import TrainingProgress, sample_point_artifact
-from tasks import cache_latents, cache_text, learning, sample, train, validate
+from tasks import caption, cache_latents, cache_text, learning, sample, train, validate
 from tasks.config import Config, as_plain
 from tasks.plan import Plan
 from tasks.store.hashing import key_of
@@ -65,10 +65,21 @@ def _node_key(context, parameters) -> str:
 _cached = dict(cache_key_fn=_node_key, persist_result=True, result_serializer="json")
 
 
+@task(name="caption", cache_policy=NO_CACHE, persist_result=False)
+def caption_task(cfg: Config, run_dir: str | None = None) -> dict:
+    # Never cached by Prefect: it looks at the image folder (new images, hand-written captions); its result (a
+    # caption per image) is kept in the store, Prefect gets its key.
+    store = open_store(cfg.store)
+    result = caption.run(cfg, store, run_dir and Path(run_dir))
+    return {**{k: v for k, v in result.items() if k != "captions"}, "result": keep(store, RESULTS, result)}
+
+
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)
-def validate_task(cfg: Config) -> dict:
-    # Never cached by Prefect: this is the node that looks at the files to find what changed.
-    return validate.run(cfg, open_store(cfg.store))
+def validate_task(cfg: Config, captions: str | None = None) -> dict:
+    # Never cached by Prefect: this is the node that looks at the files to find what changed. `captions`: the
+    # caption node's result key (its captions are read instead of those images' caption files).
+    store = open_store(cfg.store)
+    return validate.run(cfg, store, load(store, RESULTS, captions)["captions"] if captions else None)
 
 
 # Each takes the plan's key and its upstream nodes' result keys, and returns {"result": key}.

@@ -1,7 +1,7 @@
 """loraflow's training flow: the DAG, node after node.
 
-    validate ─┬─> cache_latents ─┐
-              └─> cache_text ────┴─> train ──> sample ──> publish ──> [learning] ──> report.json
+    caption ──> validate ─┬─> cache_latents ─┐
+                          └─> cache_text ────┴─> train ──> sample ──> publish ──> [learning] ──> report.json
 
 CLI:        python -m flows.train [hydra overrides]      (-m for sweeps; the Hydra app is flows/cli.py)
 Deployment: train_flow(config_name="train", overrides=[...]) composes with Hydra's compose API.
@@ -22,8 +22,8 @@ from flows.artifacts import publish_artifacts
 from flows.logs import log_nodes, log_to_file, run_logs
 from flows.runner import fill_on_dask
 from flows.run_names import name_this_run, run_name, run_tags
-from flows.nodes import (PLANS, RESULTS, cache_latents_task, cache_text_task, keep, learning_task, load, sample_task,
-                         train_task, validate_task)
+from flows.nodes import (PLANS, RESULTS, caption_task, cache_latents_task, cache_text_task, keep, learning_task, load,
+                         sample_task, train_task, validate_task)
 from tasks import cache_latents, cache_text, sample, train, validate
 from tasks.training import interrupt
 from tasks.training.checkpoint_samples import all_valid
@@ -88,7 +88,10 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None, s
     previous = (store.read_record(config_name) or {}).get("inputs", {})
 
     start = time.perf_counter()
-    plan = validate_task(cfg)
+    captioned = caption_task(cfg, str(run_dir))  # data.captions=auto|regenerate: the images without a caption
+    captioned["seconds"] = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = validate_task(cfg, captioned["result"] if cfg.data.captions != "file" else None)
     checked = {"key": "", "computed": validate.images(plan), "reused": 0, "inputs": validate.inputs(plan),
                "seconds": time.perf_counter() - start}
     checked["key"] = key_of(checked["inputs"])
@@ -112,7 +115,7 @@ def train_flow(config_name: str = "train", overrides: list[str] | None = None, s
     samples = _run(sample_task, store, key=sample.key_of_node(cfg, plan, lora["key"], texts["items"]), cfg=cfg,
                    plan=plan_key, lora=lora["ref"], texts=texts["ref"])
 
-    results = dict(zip(NODES, (checked, latents, texts, lora, samples)))
+    results = dict(zip(NODES, (captioned, checked, latents, texts, lora, samples)))
     artifacts = publish(cfg, plan, store, run_dir, lora, samples["samples"])
     report = assemble(config_name, results, previous, plan, lora, texts, artifacts, run_dir, repaired)
     if cfg.learning.scorer:  # the demo: base vs LoRA, scored (samples/before_after.png)

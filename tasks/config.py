@@ -178,7 +178,7 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> Root
     except OmegaConfBaseException as e:  # train.lr=${nope}, a recursive or mistyped interpolation, data.dir=???
         raise _config_error(e) from e
     for section, key in (("data", "dir"), ("sample", "prompts_file"), ("store", "root"), ("store", "cache_dir"),
-                         ("model", "path"), ("model", "config")):
+                         ("model", "path"), ("model", "config"), ("caption", "model")):
         value = plain[section].get(key)
         if value is None or (section, key) == ("store", "root") and "://" in value:  # an fsspec URL
             continue
@@ -186,9 +186,9 @@ def resolve_paths(cfg: DictConfig, cwd: str | os.PathLike | None = None) -> Root
             if "\x00" in value:
                 raise ValueError("embedded NUL character")
             path = cwd / os.path.expanduser(value)
-            if section != "model":
+            if section not in ("model", "caption"):
                 plain[section][key] = str(path.resolve())
-            elif value and path.exists():  # a local path (else a hub id, kept as is)
+            elif value and path.exists():  # a local path (else a hub id or tiny_vlm, kept as is)
                 plain[section][key] = str(path.resolve())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{section}.{key}={value[:200]!r}: not a usable path ({e})") from e

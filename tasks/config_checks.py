@@ -22,10 +22,13 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
             ("train", "resume"): ("auto", "never"), ("train", "optimizer"): ("adamw", "adamw8bit", "prodigy", "adafactor", "lion8bit"),
             ("train", "mixed_precision"): ("no", "bf16", "fp16"), ("train", "log_with"): ("tensorboard", "none"), ("train", "shard"): ("none", "fsdp"),
             ("train", "timestep_sampling"): ("sigma", "uniform", "shift", "flux_shift"), ("runner", "name"): ("local", "dask"), ("train", "loss"): ("l2", "huber"),
-            ("train", "network"): ("lora", "dora", "loha", "lokr"), ("learning", "scorer"): (None, "shapes")}
+            ("train", "network"): ("lora", "dora", "loha", "lokr"), ("learning", "scorer"): (None, "shapes"),
+            ("data", "captions"): ("file", "auto", "regenerate"), ("caption", "quantize"): ("none", "fp8", "int8", "nf4"),
+            ("caption", "dtype"): (None, "float32", "bfloat16", "float16")}
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
-             ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"))
+             ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"),
+             ("caption", "max_new_tokens"), ("caption", "batch_size"), ("caption", "timeout"))
 def value(cfg: Config, section: str, key: str):
     """The setting `section.key` of cfg (the checks below are tables of keys)."""
     return getattr(getattr(cfg, section), key)
@@ -56,6 +59,11 @@ def check_config(cfg: Config) -> list[str]:
     if cfg.data.bad_files not in ("error", "skip"):
         errors.append(f"data.bad_files={cfg.data.bad_files!r}: choose error (stop, list them) or skip "
                       "(leave them out, train the rest)")
+    if not cfg.caption.temperature >= 0:
+        errors.append(f"caption.temperature={cfg.caption.temperature!r}: 0 (greedy) or more (sampled from caption.seed)")
+    if cfg.caption.endpoint and not cfg.caption.endpoint.startswith(("http://", "https://")):
+        errors.append(f"caption.endpoint={cfg.caption.endpoint!r}: an OpenAI-compatible server's URL, e.g. "
+                      "http://127.0.0.1:8000/v1")
     return errors
 
 
@@ -261,6 +269,9 @@ def _loss_and_network_errors(cfg: Config, adapter_cls) -> list[str]:
         if tc.text_encoder_lr is not None:
             errors.append(f"train.network={tc.network} with train.text_encoder_lr: the text encoders train a "
                           "plain LoRA only; use train.network=lora, or train.text_encoder_lr=null")
+    if tc.network == "lokr" and not adapter_cls.lokr_file:
+        errors.append(f"train.network=lokr: {family}'s ComfyUI model fuses q, k and v of unequal widths (GQA) into one "
+                      "Linear, which no single LoKr holds exactly; use train.network=loha or lora")
     url = cfg.export.files_url
     if url is not None and not str(url).startswith(("http://", "https://")):
         errors.append(f"export.files_url={url}: not an http(s) URL; give the address that serves the folder "

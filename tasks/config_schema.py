@@ -67,6 +67,10 @@ class DataConfig:
     resolution: float = 64
     resolution_type: str = "pixels"  # pixels | area (megapixels)
     missing_caption: str = "error"  # error | empty
+    # file: captions are the caption files (as kohya reads them) | auto: an image without one is captioned by
+    # caption.model (the caption node, tasks/caption.py) | regenerate: as auto, every model caption made anew.
+    # A hand-written caption file always wins.
+    captions: str = "file"
     # error: an unusable file (unreadable/too small image, non-UTF-8 caption, refused symlink) stops the run,
     # every one listed; skip: such files are left out (listed in report.json 'dataset'), the rest trains.
     bad_files: str = "error"
@@ -221,6 +225,30 @@ class TextConfig:
 
 
 @dataclass
+class CaptionConfig:
+    # The caption node (tasks/caption.py; data.captions=auto|regenerate). A vision-language model's folder or hub
+    # id (Qwen2.5-VL / Qwen3-VL instruct models), tiny_vlm (built locally, for tests), or with `endpoint` the
+    # model name an OpenAI-compatible server serves.
+    model: str = "Qwen/Qwen2.5-VL-7B-Instruct"
+    prompt: str = ("Describe this image in one or two sentences as a caption for training an image generator: "
+                   "the subject, its appearance, the setting, the composition and the style. Write only the caption.")
+    max_new_tokens: int = 128  # the token budget of one caption
+    temperature: float = 0.0  # 0: greedy (the same caption every time); else sampled from `seed`
+    seed: int = 0
+    max_pixels: Optional[int] = None  # the image's size for the model (fewer vision tokens); null: its own
+    batch_size: int = 1  # images a generate call (left-padded; 1 is exact, larger is faster on a GPU)
+    dtype: Optional[str] = None  # null: model.dtype
+    quantize: str = "none"  # none | fp8 | int8 | nf4: its Linears stored so, as text.quantize stores the encoders
+    offload: bool = False  # its layers wait on the host, one at a time on the GPU (as text.offload)
+    # An OpenAI-compatible server (vLLM, Ollama, llama.cpp server): its /v1 URL, e.g. http://127.0.0.1:8000/v1
+    endpoint: Optional[str] = None
+    timeout: float = 120.0  # seconds one request may take
+    # true: each caption also written next to its image as <stem><data.caption_extension> (never over a
+    # hand-written one; .loraflow-captions.json in the folder records what loraflow wrote)
+    beside_images: bool = False
+
+
+@dataclass
 class ExportConfig:
     # kohya (sd-scripts/kohya key names) | diffusers (PEFT names) | comfyui (ComfyUI's own layout) | both
     # (kohya + diffusers); every run also gets a comfyui file (the kohya file where ComfyUI maps it fully)
@@ -270,6 +298,7 @@ class RootConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    caption: CaptionConfig = field(default_factory=CaptionConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)

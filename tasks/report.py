@@ -10,7 +10,7 @@ from tasks.runtime import cuda_available, torch, versions
 from tasks.store.hashing import changed_inputs
 
 
-NODES = ("validate", "cache_latents", "cache_text", "train", "sample")
+NODES = ("caption", "validate", "cache_latents", "cache_text", "train", "sample")
 
 
 def node_entry(result: dict, previous_inputs: dict | None) -> dict:
@@ -19,6 +19,8 @@ def node_entry(result: dict, previous_inputs: dict | None) -> dict:
             "changed": changed_inputs(previous_inputs, result["inputs"]), "repaired": result.get("repaired", []),
             **({"continued_from_step": result["continued_from_step"]} if result.get("continued_from_step") else {}),
             **({"workers": result["workers"]} if "workers" in result else {}),  # caching: {worker: items computed}
+            # caption: data.captions, the captioner, images it captioned, hand-written captions kept, empty ones
+            **({"captions": result["summary"]} if "summary" in result else {}),
             # cache_text with train.text_encoder_lr: why it encodes nothing (tasks/models/lora_variants/text_encoder_lora.py)
             **({"text_encoding": result["text_encoding"]} if "text_encoding" in result else {})}
 
@@ -30,7 +32,9 @@ def assemble(config_name: str, results: dict, previous: dict, plan: Plan, lora: 
     report = {"nodes": {n: node_entry(r, previous.get(n)) for n, r in results.items()},
               "artifacts": {**artifacts, "base_model": plan.model_dir,
                             # the steps trained in this run (none when the train node was cached)
-                            **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {})},
+                            **({"tensorboard": str(tb)} if (tb := run_dir / "tensorboard").is_dir() else {}),
+                            # the caption node's captions as text files (data.captions=auto|regenerate)
+                            **({"captions": str(c)} if (c := run_dir / "captions").is_dir() else {})},
               "config_name": config_name, "warnings": plan.warnings + lora.get("sample_warnings", []),
               "loss": lora.get("losses", []),
               # data.validation_split: [{step, loss}] of the held-out items at fixed draws (tasks/training/validation_loss.py)

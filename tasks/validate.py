@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from collections import Counter
 
+from tasks.captioning import limits
 from tasks.config import Config, ConfigError
 from tasks.config_schema import DataConfig
 from tasks.data import augment, controls, first_frame, masks, subsets, video
@@ -48,9 +49,10 @@ def planned_prompts(prompts, prompts_file: str, multiple: int) -> tuple[list[dic
     return planned, warnings
 
 
-def run(cfg: Config, store: Store) -> dict:
+def run(cfg: Config, store: Store, captions: dict[str, str] | None = None) -> dict:
     """The plan every later node reads: the dataset's items, the prompts, the model's identity, the memory
-    estimate. Refuses a bad config, dataset or model here, before anything is cached."""
+    estimate. Refuses a bad config, dataset or model here, before anything is cached. `captions`: the caption
+    node's, by image file (read instead of those images' caption files)."""
     errors = config_errors(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -58,7 +60,7 @@ def run(cfg: Config, store: Store) -> dict:
     family = cfg.model.family
     adapter_cls = adapter_class(family)
     size = resolve_size(cfg.data.resolution, cfg.data.resolution_type, adapter_cls.size_multiple)
-    items, dataset, dataset_subsets, layout_warnings = _read_dataset(cfg.data, store, adapter_cls)
+    items, dataset, dataset_subsets, layout_warnings = _read_dataset(cfg.data, store, adapter_cls, captions)
     plan_prompts, warnings = _read_prompts(cfg, adapter_cls, layout_warnings + _dataset_warnings(dataset))
     augmentation = _augmentation(cfg)
     model_dir, ids = _model_identity(cfg, store, adapter_cls)
@@ -75,6 +77,11 @@ def run(cfg: Config, store: Store) -> dict:
     log.info("validate: the whole run's peak %.2f GiB (%s), host RAM %.2f GiB", run["peak_gb"],
              ", ".join(f"{n} {e['device_gb']:.2f}" for n, e in run["nodes"].items()), run["host_gb"])
     plan_items, items, dataset = _plan_items(cfg, items, dataset, adapter_cls, size)
+    if captions:  # the caption node's captions that the text window cuts
+        made = {it["name"]: it["caption"] for it in plan_items if "flip_of" not in it and it["image"] in captions}
+        for w in limits.over_limit(model_dir, adapter_cls.text_components, cfg.model.max_sequence_length, made):
+            log.warning("data: %s", w)
+            warnings.append(f"data: {w}")
     if errs := controls.prompt_errors(plan_prompts, cfg, size, adapter_cls):
         raise ConfigError("\n".join(errs))
     log.info("validate: %d images, %d sample prompts, model %s (%s), size %dx%d",
@@ -90,13 +97,15 @@ def run(cfg: Config, store: Store) -> dict:
                 video=video.sample_defaults(dc, adapter_cls.clips.default_fps) if adapter_cls.clips else None)
 
 
-def _read_dataset(dc: DataConfig, store: Store, adapter_cls) -> tuple[list, list[dict], list[dict], list[str]]:
+def _read_dataset(dc: DataConfig, store: Store, adapter_cls, captions: dict[str, str] | None = None
+                  ) -> tuple[list, list[dict], list[dict], list[str]]:
     """(item, its name, its subset) of every subset in subset order, the findings on bad files, the subsets'
     report and the folder layout's warnings."""
     chosen, layout_warnings = subsets.resolve(dc)
     memos = {}  # per folder: images decoded and digested before, by stat (tasks/data/image_memo.py)
     checked = subsets.check(dc, chosen, lambda folder: memos.setdefault(
-        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.clips is not None)
+        folder, ImageMemo(store.root, folder, use_stored=not store.rehash)), clips=adapter_cls.clips is not None,
+        generated=captions)
     for memo in memos.values():
         memo.save(lambda path, data: store.write_small(path, data, f"the image memo {path.name}"))
     items = [(it, s.name(it.name), s) for s, check in checked for it in check.items]

@@ -55,6 +55,7 @@ def test_deploy_file_declares_both_deployments():
         assert d["work_pool"]["job_variables"]["env"]["HF_HUB_OFFLINE"] == "1"
         assert set(d["parameters"]) == {"config_name", "overrides"}
     assert [s["cron"] for s in deployments["retrain"]["schedules"]] == ["0 3 * * *"]
+    assert "data.captions=auto" in deployments["retrain"]["parameters"]["overrides"]  # new images get captions
     assert not deployments["train"].get("schedules")
 
 
@@ -66,9 +67,9 @@ def test_deployments_run_on_a_worker(tmp_path):
     yaml_before = PREFECT_YAML.read_bytes()
     clock = _Clock()
 
-    def overrides(run_dir: Path) -> str:
+    def overrides(run_dir: Path, *extra: str) -> str:
         return "overrides=" + json.dumps([f"data.dir={data}", f"sample.prompts_file={prompts}",
-                                          f"store.root={store}", f"hydra.run.dir={run_dir}", *FAST])
+                                          f"store.root={store}", f"hydra.run.dir={run_dir}", *FAST, *extra])
 
     # The scheduler service is off: the nightly schedule must not start a run (on the repo's default data)
     # if this test happens to run at 03:00 UTC. The schedule itself is checked through the API.
@@ -148,6 +149,21 @@ def test_deployments_run_on_a_worker(tmp_path):
         assert nodes["cache_latents"]["computed"] == 1 and nodes["cache_latents"]["reused"] == n_images, _computed(report)
         assert nodes["cache_text"]["computed"] == 1, _computed(report)
         assert nodes["train"]["status"] == "ran", _computed(report)
+
+        # --- 4. images dropped in without captions (retrain's data.captions=auto): captioned, then trained -----
+        for name in ("img_drop1.png", "img_drop2.png"):
+            image.rotate(90 if name.endswith("1.png") else 180).save(data / name)
+        captions_before = {p.name: p.read_bytes() for p in data.glob("*.txt")}
+        run4 = server.run_deployment("loraflow/retrain", "--param", overrides(
+            tmp_path / "run4", "data.captions=auto", "caption.model=tiny_vlm", "caption.max_new_tokens=8"))
+        server.wait_for(run4, timeout=300, watch=worker)
+        clock("run 4 (retrain, two images without captions)")
+        report = _report(tmp_path / "run4")
+        nodes = report["nodes"]
+        assert (nodes["caption"]["computed"], nodes["caption"]["captions"]["hand_written"]) == (2, n_images + 1)
+        assert nodes["cache_latents"]["computed"] == 2 and nodes["train"]["status"] == "ran", _computed(report)
+        assert {p.name for p in (tmp_path / "run4" / "captions").glob("*.txt")} == {"img_drop1.txt", "img_drop2.txt"}
+        assert {p.name: p.read_bytes() for p in data.glob("*.txt")} == captions_before  # the folder: untouched
 
     clock("stop worker and server (" + ", ".join(f"{p.name} {p.stop_seconds:.1f}s" for p in server.processes) + ")")
     # --- every process started for the test is gone (stopped by prefect_server's finally) ------------

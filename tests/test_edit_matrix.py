@@ -30,7 +30,7 @@ def distinct_texts(ws) -> int:
 def test_baseline_computed_everything(baseline):
     r = baseline.first_report
     assert counts(r) == (N_IMAGES, distinct_texts(baseline), "ran", N_PROMPTS)
-    assert set(r["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
+    assert set(r["nodes"]) == {"caption", "validate", "cache_latents", "cache_text", "train", "sample"}
     for entry in r["nodes"].values():
         assert set(entry) >= {"status", "key", "computed", "reused", "seconds", "changed"}
         assert entry["reused"] == 0 and entry["changed"] == []
@@ -40,7 +40,7 @@ def test_nothing_changed_same_store(baseline):
     # Same store: Prefect's own cache answers with loraflow's keys, and the store is verified.
     r = baseline.run()
     assert counts(r) == (0, 0, "cached", 0)
-    assert all(e["status"] == "cached" for n, e in r["nodes"].items() if n != "validate")
+    assert all(e["status"] == "cached" for n, e in r["nodes"].items() if n != "validate")  # caption: off
     assert all(e["changed"] == [] for e in r["nodes"].values())
 
 

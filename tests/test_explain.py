@@ -24,7 +24,7 @@ def test_explain_predicts_the_run(workspace):
     before = explain("train", _overrides(workspace))
     nodes = before["nodes"]
     assert before["previous_run"]
-    assert list(nodes) == ["validate", *WORK]
+    assert list(nodes) == ["caption", "validate", *WORK]
     assert all(nodes[n]["would"] == "hit" and nodes[n]["compute"] == 0 for n in WORK), nodes
     assert all(e["changed"] == [] for e in nodes.values()), nodes
     assert nodes["cache_latents"]["reuse"] == N_IMAGES and nodes["sample"]["reuse"] == N_PROMPTS

@@ -100,7 +100,7 @@ def test_whole_dag_through_the_cli_and_both_lora_files_load_into_flux2_pipeline(
                  "sample.steps=2"], REPO, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
-    assert {n: e["status"] for n, e in report["nodes"].items()} == dict.fromkeys(
+    assert {n: e["status"] for n, e in report["nodes"].items() if n != "caption"} == dict.fromkeys(
         ("validate", "cache_latents", "cache_text", "train", "sample"), "ran")
     assert report["nodes"]["cache_latents"]["computed"] == 12 and len(report["loss"]) == 3
     assert all(np.isfinite(e["loss"]) for e in report["loss"])

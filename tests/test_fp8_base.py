@@ -161,7 +161,7 @@ def test_every_family_trains_on_an_fp8_base_through_the_cli(family, fp8_sweep):
     member = sweep / str(FAMILIES.index(family))
     assert (member / ".hydra" / "overrides.yaml").read_text().count(f"model=tiny_{family}\n") == 1
     report = json.loads((member / "report.json").read_text())
-    assert set(report["nodes"]) == {"validate", "cache_latents", "cache_text", "train", "sample"}
+    assert set(report["nodes"]) == {"caption", "validate", "cache_latents", "cache_text", "train", "sample"}
     assert report["nodes"]["train"]["status"] == "ran" and len(report["loss"]) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in report["loss"])
     assert Path(report["artifacts"]["lora"]).is_file()

@@ -205,7 +205,7 @@ def test_whole_dag_through_the_cli_on_the_demo_images(tmp_path):
         cwd=REPO, env=cli_env(tmp_path / "prefect-home"), text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
-    assert {n: e["status"] for n, e in report["nodes"].items()} == dict.fromkeys(
+    assert {n: e["status"] for n, e in report["nodes"].items() if n != "caption"} == dict.fromkeys(
         ("validate", "cache_latents", "cache_text", "train", "sample"), "ran")
     assert all(np.isfinite(e["loss"]) for e in report["loss"])
     samples = report["artifacts"]["samples"]

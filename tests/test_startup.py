@@ -131,7 +131,7 @@ raise SystemExit("the CLI returned: it should have ended the process")
     assert collecting and frozen > 10_000, state
     report = json.loads((run_dir / "report.json").read_text())
     assert {n: e["status"] for n, e in report["nodes"].items()} == {
-        "validate": "ran", "cache_latents": "cached", "cache_text": "cached", "train": "cached", "sample": "cached"}
+        "caption": "cached", "validate": "ran", "cache_latents": "cached", "cache_text": "cached", "train": "cached", "sample": "cached"}
     assert Path(report["artifacts"]["lora"]).is_file()
     if not GPU_DRIVER:  # with one, validate's free-memory check imports torch
         assert heavy == []  # fastapi too: the flow's parameters go to the API without its encoder

@@ -201,12 +201,24 @@ def _caption(img: str, name: str, real_root: Path, policy: str, ext: str, listed
     return text, cap, None, notes
 
 
+def _generated(text: str, name: str, policy: str):
+    """_caption's answer for a caption the caption node made: an empty one is a missing caption."""
+    if text:
+        return text, None, None, []
+    reason = "the caption model returned an empty caption (caption.model, caption.prompt)"
+    if policy == "error":
+        return "", None, Problem(name, reason, "missing_caption"), []
+    return "", None, None, [Finding(name, reason, EMPTY_CAPTION)]
+
+
 NOT_A_VIDEO_FAMILY = "video clip: this model family trains images (a video family trains clips, e.g. model=tiny_wan)"
 
 
-def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str = "error", clips: bool = False):
+def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str = "error", clips: bool = False,
+          generated: dict[str, str] | None = None):
     """Candidates (item, its problems, its notes) plus dataset-level problems and notes. `clips`: video clips
-    are items (a video family); else each is noted and left out."""
+    are items (a video family); else each is noted and left out. `generated`: {image file (absolute): caption}
+    from the caption node, read instead of the image's caption file."""
     _check_options(missing_caption, caption_extension, bad_files)
     root = dataset_root(data_dir)
     real_root = root.resolve()
@@ -229,8 +241,11 @@ def _scan(data_dir, missing_caption: str, caption_extension: str, bad_files: str
         if why:
             problems.append(Problem(name, f"symlink {why}", "symlink"))
             continue
-        caption, cap_path, problem, mine = _caption(img.path, name, real_root, missing_caption, caption_extension,
-                                                    caption_files.get(stem + caption_extension))
+        if generated and os.path.abspath(img.path) in generated:
+            caption, cap_path, problem, mine = _generated(generated[os.path.abspath(img.path)], name, missing_caption)
+        else:
+            caption, cap_path, problem, mine = _caption(img.path, name, real_root, missing_caption, caption_extension,
+                                                        caption_files.get(stem + caption_extension))
         twins = [os.path.basename(p.path) for p in stems[stem] if p is not img]
         if twins:  # kohya trains both; so do we, but say so (often one picture exported twice)
             mine.append(Finding(name, f"same stem as {', '.join(twins)}: one caption file "
@@ -250,7 +265,8 @@ def scan_dataset(data_dir, missing_caption: str = "error",
 
 _HINTS = {
     "missing_caption": "missing captions: set data.missing_caption=empty to train such images "
-                       "with an empty caption, or add <stem>{ext} next to each image (data.bad_files=skip "
+                       "with an empty caption, or add <stem>{ext} next to each image, or set data.captions=auto to caption "
+                       "them with a vision-language model (caption.model) (data.bad_files=skip "
                        "does not leave them out: data.missing_caption alone decides)",
     "caption": "caption files: re-save them as UTF-8 text",
     "image": "unreadable images: re-export them (PNG/JPEG/WebP/BMP) or remove them",
@@ -285,12 +301,15 @@ def inspect_media(path) -> tuple[str | None, tuple[int, int] | None, list, tuple
 
 
 def check_dataset(data_dir, missing_caption: str = "error", caption_extension: str = ".txt",
-                  bad_files: str = "error", memo=None, clips: bool = False) -> DatasetCheck:
+                  bad_files: str = "error", memo=None, clips: bool = False,
+                  generated: dict[str, str] | None = None) -> DatasetCheck:
     """Scan + decode every image once: the items that train, and a finding for every file trained after a
     fix or left out. Raises DatasetError listing every problem no policy covers. `memo` (an ImageMemo):
     images unchanged since an earlier check are not decoded again, and items carry their bytes' digest.
-    `clips`: video clips (.mp4, .webm, .mov) are items too, each decoded to its end once (a video family)."""
-    root, candidates, problems, findings = _scan(data_dir, missing_caption, caption_extension, bad_files, clips)
+    `clips`: video clips (.mp4, .webm, .mov) are items too, each decoded to its end once (a video family).
+    `generated`: the caption node's captions by image file (absolute), read instead of caption files."""
+    root, candidates, problems, findings = _scan(data_dir, missing_caption, caption_extension, bad_files, clips,
+                                                 generated)
     if memo is not None:
         memo.keep_only({item.name for item, _, _ in candidates})
     skip = bad_files == "skip"

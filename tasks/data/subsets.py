@@ -66,14 +66,16 @@ def resolve(dc: DataConfig) -> tuple[list[Subset], list[str]]:
     return [Subset(root, "", 1, ext)], warnings
 
 
-def check(dc: DataConfig, subsets: list[Subset], memo_of=None, clips: bool = False) -> list[tuple[Subset, DatasetCheck]]:
+def check(dc: DataConfig, subsets: list[Subset], memo_of=None, clips: bool = False,
+          generated: dict[str, str] | None = None) -> list[tuple[Subset, DatasetCheck]]:
     """check_dataset of every subset, findings named like their items; every subset's problems in one error.
-    `memo_of(folder)`: that folder's ImageMemo (tasks/data/image_memo.py), or None to decode every image."""
+    `memo_of(folder)`: that folder's ImageMemo (tasks/data/image_memo.py), or None to decode every image;
+    `generated`: the caption node's captions by image file."""
     checked, messages, problems = [], [], []
     for s in subsets:
         try:
             result = check_dataset(s.dir, dc.missing_caption, s.caption_extension, dc.bad_files,
-                                   memo_of and memo_of(s.dir), clips)
+                                   memo_of and memo_of(s.dir), clips, generated)
         except DatasetError as e:
             messages.append(str(e) if len(subsets) == 1 else f"subset {s.label or s.dir}: {e}")
             problems += e.problems
