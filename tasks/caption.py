@@ -7,10 +7,12 @@ re-captions all; a hand-written caption is never replaced. The store holds the c
 reads caption files."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from tasks.captioning import CaptionError
+from tasks.captioning import memory as caption_memory
 from tasks.captioning.files import write_beside, write_run_captions, written_by_loraflow
 from tasks.captioning.select import Wanted, wanted
 from tasks.config import Config
@@ -91,7 +93,8 @@ def _captioner(cfg: Config, folder: Path | None):
     from tasks.training.quantized_base import text_loading
 
     dtype = c.dtype or cfg.model.dtype
-    return Captioner(folder, dtype, text_loading(c), "cuda" if cuda_available() else "cpu",
+    loading = dataclasses.replace(text_loading(c), keep=caption_memory.KEEP)  # the output head unquantized
+    return Captioner(folder, dtype, loading, "cuda" if cuda_available() else "cpu",
                      settings(cfg) | {"seed": c.seed, "max_pixels": c.max_pixels})
 
 
@@ -153,14 +156,18 @@ def stored_captions(store: Store, images: list[Wanted], keys: dict[str, str]) ->
 def run(cfg: Config, store: Store, run_dir: Path | None = None) -> dict:
     """The node: captions stored, the run folder's copies written; the result names every caption by image."""
     images, keys, node_inputs, kept = planned(cfg, store)
-    status = check_items(store, KIND, keys.values())
+    status, memory = check_items(store, KIND, keys.values()), None
     if cfg.data.captions == "regenerate":  # every caption anew (a sampling captioner, a new server behind a URL)
         status.missing, status.reused = list(dict.fromkeys(keys.values())), []
     if status.missing:
         missing = set(status.missing)
         todo = list({keys[w.name]: w for w in images if keys[w.name] in missing}.values())
         log.info("caption: %d image(s) to caption with %s", len(todo), cfg.caption.endpoint or cfg.caption.model)
-        _compute(cfg, store, todo, keys, identity(cfg, store)[1])
+        folder = identity(cfg, store)[1]
+        if folder is not None:  # the preflight: refused here, before loading, when it cannot fit
+            memory = caption_memory.check(cfg, folder)
+            log.info("caption: the captioner needs about %.2f GiB (%s)", memory["device_gb"], memory["setting"])
+        _compute(cfg, store, todo, keys, folder)
     captions = stored_captions(store, images, keys)
     by_name = {w.name: captions[w.image] for w in images if w.image in captions}
     if run_dir is not None and by_name:
@@ -174,7 +181,8 @@ def run(cfg: Config, store: Store, run_dir: Path | None = None) -> dict:
     return node_result(key_of(node_inputs), keys, status, node_inputs, captions=captions,
                        summary={"mode": cfg.data.captions, **({} if cfg.data.captions == "file" else {
                            "captioner": cfg.caption.endpoint or cfg.caption.model, "captioned": len(by_name),
-                           "hand_written": kept, "empty": empty})})
+                           "hand_written": kept, "empty": empty,
+                           **({"memory_estimate": memory} if memory else {})})})
 
 
 def _beside(images: list[Wanted], captions: dict[str, str]) -> None:

@@ -235,7 +235,8 @@ class CaptionConfig:
     max_new_tokens: int = 128  # the token budget of one caption
     temperature: float = 0.0  # 0: greedy (the same caption every time); else sampled from `seed`
     seed: int = 0
-    max_pixels: Optional[int] = None  # the image's size for the model (fewer vision tokens); null: its own
+    # the largest image the model sees, in pixels (Qwen2.5-VL's own limit is 12.8 MP: 16k vision tokens); in the key
+    max_pixels: Optional[int] = 1048576
     batch_size: int = 1  # images a generate call (left-padded; 1 is exact, larger is faster on a GPU)
     dtype: Optional[str] = None  # null: model.dtype
     quantize: str = "none"  # none | fp8 | int8 | nf4: its Linears stored so, as text.quantize stores the encoders

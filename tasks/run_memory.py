@@ -159,13 +159,14 @@ def text_activations(config: dict, tokens: int, act_bytes: int = 2) -> float:
     return states + max(tokens * c.get("vocab_size", 0) * act_bytes if lm else 0, 3 * tokens * inter * act_bytes)
 
 
-def text_encoder(folder: Path, dtype: str, quantize: str, offload: bool, tokens: int) -> dict:
-    """One text encoder as cache_text loads it (the module doc), bytes."""
+def text_encoder(folder: Path, dtype: str, quantize: str, offload: bool, tokens: int, keep: tuple = ()) -> dict:
+    """One text encoder as cache_text loads it (the module doc), bytes; `keep`: Linears never stored
+    (text_load.TextLoading.keep)."""
     config = json.loads((folder / "config.json").read_text())
     ents = entries(folder)
     arch = next(iter(config.get("architectures") or ()), "")
     fp32 = KEEP_FP32.get(arch, ()) if dtype == "float16" else ()
-    unstored = KEEP_FP32.get(arch, ()) if quantize == "fp8" else ()
+    unstored = (KEEP_FP32.get(arch, ()) if quantize == "fp8" else ()) + tuple(keep)
 
     def under(name, modules):
         return any(re.search(f"(^|\\.){m}($|\\.)", name) for m in modules)

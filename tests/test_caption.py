@@ -67,8 +67,9 @@ def test_auto_captions_the_images_without_one_and_leaves_the_folder_alone(ws):
     cfg = _cfg(root, data)
     result = caption.run(cfg, store, root / "run")
     assert (result["computed"], result["reused"]) == (11, 0)
-    assert result["summary"] == {"mode": "auto", "captioner": "tiny_vlm", "captioned": 11, "hand_written": 1,
-                                 "empty": []}
+    summary = dict(result["summary"])
+    assert summary.pop("memory_estimate")["device_gb"] > 0  # the preflight (test_the_captioner_has_a_preflight...)
+    assert summary == {"mode": "auto", "captioner": "tiny_vlm", "captioned": 11, "hand_written": 1, "empty": []}
     assert _files(data) == before  # nothing written beside the images, no marker
     made = {Path(f).stem: t for f, t in result["captions"].items()}
     assert sorted(made) == [Path(n).stem for n in IMAGES[1:]] and all(made.values())
@@ -318,3 +319,68 @@ def test_the_flow_captions_first_and_a_new_image_captions_only_itself(prefect_ap
     would = explain("train", [*base, "caption.prompt=Name the shapes."])["nodes"]
     assert (would["caption"]["would"], would["caption"]["compute"]) == ("run", 12)
     assert would["cache_text"]["compute"] >= 1 and would["train"]["would"] == "run"
+
+
+def _tiny_qwen3vl(folder: Path) -> Path:
+    """A Qwen3-VL instruct folder at a tiny width (its 16 px patches, interleaved mRoPE, deepstack), laid out as
+    the tiny Qwen2.5-VL's: the second class caption.model loads."""
+    import torch
+    from transformers import GenerationConfig, Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from tasks.models.tiny.tiny_qwenimage import QWEN25VL_SPECIALS, qwen25vl_tokenizer
+    from tasks.models.tiny.tiny_vlm import QWEN25VL_INSTRUCT_TEMPLATE
+
+    tok = qwen25vl_tokenizer(400, system="You are a helpful assistant.")
+    tok.chat_template = QWEN25VL_INSTRUCT_TEMPLATE  # Qwen3-VL's renders an image part the same way
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN25VL_SPECIALS}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                              "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                             pad_token_id=ids["<|endoftext|>"]),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                               patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False))
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                     pad_token_id=ids["<|endoftext|>"]).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=4096, max_pixels=128 * 128,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
+def test_a_qwen3_vl_folder_captions_too(ws):
+    root, data, store = ws
+    result = caption.run(_cfg(root, data, f"caption.model={_tiny_qwen3vl(root / 'qwen3vl')}"), store)
+    assert result["computed"] == 11
+    assert sum(bool(t) for t in result["captions"].values()) >= 1  # random weights: words, or an early end
+
+
+def test_the_captioner_has_a_preflight_and_is_refused_before_loading_when_it_cannot_fit(ws):
+    import torch
+
+    from tasks.captioning import memory
+    from tasks.models.tiny.tiny_vlm import build_tiny_vlm
+
+    root, data, store = ws
+    folder = build_tiny_vlm(root / "vlm")
+    plain = memory.estimate(folder, "float32", "none", False, 8, None)
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    assert plain["weights_gb"] * 2**30 == stored  # every weight as loaded in float32: exact
+    nf4 = memory.estimate(folder, "float32", "nf4", False, 8, None)
+    assert nf4["weights_gb"] < plain["weights_gb"] and plain["activations_gb"] > 0
+    result = caption.run(_cfg(root, data), store)
+    assert result["summary"]["memory_estimate"]["setting"] == "caption.quantize=none caption.max_pixels=1048576"
+    with pytest.raises(CaptionError, match=r"caption.model=tiny_vlm: the captioner needs about .* GiB "
+                                           r"\(caption.quantize=none caption.max_pixels=1048576\) > 0.00 GiB \(train.memory_limit_gb\); nothing"):
+        caption.run(_cfg(root, data, "caption.prompt=other", "train.memory_limit_gb=0.000001"), store)
+    assert torch.is_grad_enabled()  # nothing left switched off by a refusal

@@ -35,9 +35,10 @@ class Captioner:
         self.dtype = getattr(torch, dtype)
         self.model = load_text_model(cls, self.folder, self.dtype, loading, device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
-        # caption.max_pixels: fewer vision tokens (memory, speed) than the folder's preprocessor allows
-        extra = {"max_pixels": settings["max_pixels"]} if settings.get("max_pixels") else {}
-        self.images = Qwen2VLImageProcessorPil.from_pretrained(self.folder, **extra)
+        # caption.max_pixels: fewer vision tokens (memory, speed) where the folder's preprocessor allows more
+        self.images = Qwen2VLImageProcessorPil.from_pretrained(self.folder)
+        if settings.get("max_pixels") and settings["max_pixels"] < self.images.size["longest_edge"]:
+            self.images = Qwen2VLImageProcessorPil.from_pretrained(self.folder, max_pixels=settings["max_pixels"])
         self.template = chat_template(self.folder, self.tokenizer)
         self.pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.end_ids = _end_ids(self.folder, self.tokenizer)

@@ -42,6 +42,9 @@ class TextLoading:
     store: Callable | None = None
     hook: Callable | None = None
     swap: Callable | None = None  # swap(model, dtype): its layers' weights held on the host, copied in per use
+    # Linears never stored quantized, by module name (the captioner's lm_head: transformers' quantizers leave the
+    # output head alone, and dequantizing a 152k-row head per token would cost more than it saves)
+    keep: tuple[str, ...] = ()
 
 
 def _renamer(model):
@@ -65,11 +68,11 @@ def _module_pattern(names) -> re.Pattern | None:
     return re.compile("|".join(f"(^|\\.){re.escape(k)}($|\\.)" for k in names)) if names else None
 
 
-def _unstored(model, kind: str) -> re.Pattern | None:
+def _unstored(model, kind: str, keep: tuple[str, ...] = ()) -> re.Pattern | None:
     """Linears kept in the compute dtype under `kind`: for fp8, the ones transformers may keep in fp32 (T5's `wo`),
     whose caller casts its input to the weight's dtype (a plain fp8 weight would make that input fp8; torchao's
-    tensors report the compute dtype)."""
-    return _module_pattern(model._keep_in_fp32_modules) if kind == "fp8" else None
+    tensors report the compute dtype); and `keep` (TextLoading.keep)."""
+    return _module_pattern((list(model._keep_in_fp32_modules or ()) if kind == "fp8" else []) + list(keep))
 
 
 def load_text_model(cls, folder: Path, dtype, loading: TextLoading = TextLoading(), device: str = "cpu"):
@@ -98,7 +101,7 @@ def load_text_model(cls, folder: Path, dtype, loading: TextLoading = TextLoading
     own = model.state_dict()
     _check(model, own, set(names.values()), folder)
     keep32 = _module_pattern(model._get_dtype_plan(dtype))  # transformers' fp32 weights at this dtype
-    unstored = _unstored(model, loading.quantize)
+    unstored = _unstored(model, loading.quantize, loading.keep)
     modules = dict(model.named_modules())
     store_device = "cpu" if loading.offload else device
     stored_paths = []
