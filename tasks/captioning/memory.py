@@ -30,7 +30,8 @@ def vision_patches(folder: Path, max_pixels: int | None) -> tuple[int, int]:
 def estimate(folder: Path, dtype: str, quantize: str, offload: bool, max_new_tokens: int,
              max_pixels: int | None) -> dict:
     """{device_gb, host_gb, setting, weights_gb, activations_gb} of the captioner captioning one image."""
-    from tasks.run_memory import _node, text_encoder
+    from tasks.run_memory import text_encoder
+    from tasks.training.host_memory import PROCESS_GB
     from tasks.training.memory import GB
 
     patches, tokens = vision_patches(folder, max_pixels)
@@ -43,8 +44,10 @@ def estimate(folder: Path, dtype: str, quantize: str, offload: bool, max_new_tok
     peak = max(part["activations"], tower) + part["transient"]
     setting = f"caption.quantize={quantize}" + (" caption.offload=true" if offload else "") + \
         (f" caption.max_pixels={max_pixels}" if max_pixels else "")
-    return _node((part["weights"] + peak) / GB, part["held"] / GB, part["loading"] / GB, setting,
-                 weights_gb=part["weights"] / GB, activations_gb=peak / GB)
+    # as run_memory's nodes: the process, what waits on the host and the loading's largest tensor in host RAM
+    return {"device_gb": (part["weights"] + peak) / GB, "host_gb": PROCESS_GB + (part["held"] + part["loading"]) / GB,
+            "host_held_gb": part["held"] / GB, "setting": setting, "weights_gb": part["weights"] / GB,
+            "activations_gb": peak / GB}
 
 
 def check(cfg, folder: Path) -> dict:
