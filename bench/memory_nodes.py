@@ -289,9 +289,10 @@ def decode_peak(model: str, w: int, h: int, frames: int) -> tuple[int, int]:
         shape = (1, v.config.latent_channels, h // 8, w // 8)
     elif name == "AutoencoderKLLTX2Video":
         shape = (1, v.config.latent_channels, 1 + (frames - 1) // 8, h // 32, w // 32)
-    else:
-        s = getattr(v.config, "scale_factor_spatial", 8)
-        shape = (1, v.config.z_dim, 1 + (frames - 1) // 4, h // s, w // s)
+    else:  # the Wan VAEs' names, else HunyuanVideo's (latent_channels, spatial_compression_ratio); /4 in time each
+        s = getattr(v.config, "scale_factor_spatial", None) or getattr(v.config, "spatial_compression_ratio", 8)
+        c = getattr(v.config, "z_dim", None) or v.config.latent_channels
+        shape = (1, c, 1 + (frames - 1) // 4, h // s, w // s)
 
     def run(inputs):
         if inputs is None:

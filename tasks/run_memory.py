@@ -50,7 +50,10 @@ INFER_DEFAULT = (37.4, 13.4)
 # frame (its causal cache), LTX-2's all of them at once
 DECODE = {"AutoencoderKL": (6.0, lambda f: 1), "AutoencoderKLFlux2": (6.0, lambda f: 1),
           "AutoencoderKLQwenImage": (18.0, lambda f: min(f, 4)), "AutoencoderKLWan": (13.3, lambda f: min(f, 4)),
-          "AutoencoderKLWan+residual": (21.0, lambda f: min(f, 4)), "AutoencoderKLLTX2Video": (2.3, lambda f: f + 1)}
+          "AutoencoderKLWan+residual": (21.0, lambda f: min(f, 4)), "AutoencoderKLLTX2Video": (2.3, lambda f: f + 1),
+          # HunyuanVideo's (Kandinsky 5): every frame at once; measured by bench.memory --nodes (kandinsky5_lite:sample:
+          # nf4, 33 frames at 768x512: a decode peak of 14.45 GiB = 4.65 x the first level at full size x 33 frames)
+          "AutoencoderKLHunyuanVideo": (4.7, lambda f: f)}
 DECODE_DEFAULT = (21.0, lambda f: f)
 # transformers' modules a text encoder keeps out of fp8 (text_load._unstored: T5's `wo`, `_keep_in_fp32_modules`),
 # and in fp32 under float16 (its dtype plan), by the architecture config.json names

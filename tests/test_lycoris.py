@@ -59,6 +59,13 @@ COMFY_LYCORIS = {  # diffusers Linear names the `lycoris_` keys reach, per famil
     # MLP's gate_layer/proj into img_mlp.gate_up, the rest diffusers' names (tests/test_qwenimage21.py): the blocks'
     # Linears by the generic rule
     "qwenimage21": rf"transformer_blocks{_N}(attn\.(to_[qkv]|to_out\.0)|img_mlp\.(proj|gate_layer|out))",
+    # Lumina 2: ComfyUI's Lumina2 branch names Z-Image's diffusers modules at equal q/k/v widths (not Lumina 2's GQA
+    # rows); its generic `lora_unet_<model key>` reaches every block Linear (tests/test_lumina2.py cites the source)
+    "lumina2": rf"(layers|noise_refiner|context_refiner){_N}(attn\.(to_[qkv]|to_out\.0)|feed_forward\.linear_[123]"
+               r"|norm1\.linear)",
+    # HiDream: its model_lora_keys_unet branch maps `lycoris_<model key>` (SimpleTuner's format) for every weight of
+    # its ComfyUI model, which has diffusers' names (comfy/ldm/hidream/model.py; tests/test_hidream.py cites the lines)
+    "hidream": r".+",
 }
 COMFY_LYCORIS["sd15"] = COMFY_LYCORIS["sdxl"]
 
@@ -109,6 +116,10 @@ def _magnitude(parts: dict, scale: float) -> float:
 def test_lycoris_file_loads_every_key_in_comfyui_with_the_trained_delta(family, network, model_dirs):
     rank, alpha = 4, 6.0  # alpha / rank = 1.5: a scale that a loader applying 1 (or alpha) would get wrong
     adapter, den = _denoiser(family, model_dirs(family))
+    if network == "lokr" and not adapter.lokr_file:  # declared: no exact LoKr file, so validate refuses it
+        assert any(e.startswith("train.network=lokr:") for e in
+                   validate.config_errors(_cfg(f"model=tiny_{family}", "train.network=lokr")))
+        return
     linears = [n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
     den.add_adapter(lycoris.make_config(network, rank, alpha, adapter.default_lora_targets()))
     comfy_names = adapter.kohya.lycoris_names == "comfyui"  # the file in ComfyUI's module names (Krea 2)

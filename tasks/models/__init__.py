@@ -49,6 +49,10 @@ FAMILIES = {
                     "tasks.models.tiny.tiny_ernie_image:build_tiny_ernie_image"),
     "krea2": ("tasks.models.krea2:Krea2Adapter", "tasks.models.tiny.tiny_krea2:build_tiny_krea2"),
     "ideogram4": ("tasks.models.ideogram4:Ideogram4Adapter", "tasks.models.tiny.tiny_ideogram4:build_tiny_ideogram4"),
+    "kandinsky5": ("tasks.models.kandinsky5:Kandinsky5Adapter", "tasks.models.tiny.tiny_kandinsky5:build_tiny_kandinsky5"),
+    "kandinsky5_i2v": ("tasks.models.kandinsky5_i2v:Kandinsky5I2VAdapter",
+                       "tasks.models.tiny.tiny_kandinsky5_i2v:build_tiny_kandinsky5_i2v"),
+    "lumina2": ("tasks.models.lumina2:Lumina2Adapter", "tasks.models.tiny.tiny_lumina2:build_tiny_lumina2"),
 }
 
 

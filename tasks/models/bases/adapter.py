@@ -147,6 +147,10 @@ class FamilyAdapter(ABC):
     # model's learning-check settings are its builder module's LEARNS (bench/learns_settings.py).
     real_sizes: tuple = ()
     reference_kohya: str = "diffusers"
+    # train.network=lokr: False where the LyCORIS file cannot hold the trained LoKr exactly (Lumina 2: ComfyUI's one
+    # attention.qkv of unequal q / k / v widths, GQA, whose row blocks cannot share one w2; tasks/training/
+    # lycoris_fused.py): refused at validate (tasks/config_checks.py)
+    lokr_file: bool = True
 
     @staticmethod
     def bench_batch(config: dict, size: tuple[int, int], frames: int, text_len: int):
