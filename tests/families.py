@@ -14,7 +14,7 @@ from tasks.store import Store
 REPO = Path(__file__).resolve().parents[1]
 # the 2026 families (the first wave, then issue 64's)
 NEW = ["zimage", "qwenimage", "flux2_klein", "flux2_dev", "krea2", "ideogram4", "qwenimage21", "chroma", "ernie_image",
-       "lumina2"]
+       "hidream", "lumina2"]
 
 
 def image_families() -> list[str]:

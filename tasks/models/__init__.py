@@ -45,6 +45,7 @@ FAMILIES = {
     "qwenimage21": ("tasks.models.qwenimage21:QwenImage21Adapter",
                     "tasks.models.tiny.tiny_qwenimage21:build_tiny_qwenimage21"),
     "chroma": ("tasks.models.chroma:ChromaAdapter", "tasks.models.tiny.tiny_chroma:build_tiny_chroma"),
+    "hidream": ("tasks.models.hidream:HiDreamAdapter", "tasks.models.tiny.tiny_hidream:build_tiny_hidream"),
     "ernie_image": ("tasks.models.ernie_image:ErnieImageAdapter",
                     "tasks.models.tiny.tiny_ernie_image:build_tiny_ernie_image"),
     "krea2": ("tasks.models.krea2:Krea2Adapter", "tasks.models.tiny.tiny_krea2:build_tiny_krea2"),
