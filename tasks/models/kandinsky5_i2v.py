@@ -37,7 +37,7 @@ class Kandinsky5I2VAdapter(Kandinsky5Adapter):
     text_pipeline_cls = LazyClass("diffusers", "Kandinsky5I2VPipeline")  # the same encode_prompt and template
     # bench.memory: Pro at 512x512 (the sd task's resolution), 33 frames
     real_sizes = (RealSize("kandinsky5_i2v_pro", "Kandinsky5Transformer3DModel", arch=PRO, size=(512, 512), frames=33,
-                           text=TEXT_ENCODERS, vae=VAE, rows=("nf4+ckpt", "nf4+ckpt+swap30", "nf4+ckpt+offload+swap40"),
+                           text=TEXT_ENCODERS, vae=VAE, rows=("nf4+ckpt", "nf4+ckpt+swap30"),
                            card=(24, 64)),)
 
     @staticmethod
