@@ -112,11 +112,13 @@ def _images(batch: list[Wanted]):
     return out
 
 
-def _compute(cfg: Config, store: Store, todo: list[Wanted], keys: dict[str, str], folder: Path | None) -> int:
-    """Caption `todo` and store each caption as it is made; returns the number captioned."""
+def _compute(cfg: Config, store: Store, todo: list[Wanted], keys: dict[str, str], folder: Path | None,
+             batch: int) -> int:
+    """Caption `todo`, `batch` images a generate call, and store each caption as it is made; returns the number
+    captioned."""
     captioner, done = _captioner(cfg, folder), 0
     try:
-        batches = list(chunks(todo, max(1, cfg.caption.batch_size)))
+        batches = list(chunks(todo, max(1, batch)))
         with BackgroundWrites() as writes:
             for batch in progress(batches, "caption", len(batches)):
                 readable = [(w, img) for w, img in zip(batch, _images(batch)) if img is not None]
@@ -163,11 +165,13 @@ def run(cfg: Config, store: Store, run_dir: Path | None = None) -> dict:
         missing = set(status.missing)
         todo = list({keys[w.name]: w for w in images if keys[w.name] in missing}.values())
         log.info("caption: %d image(s) to caption with %s", len(todo), cfg.caption.endpoint or cfg.caption.model)
-        folder = identity(cfg, store)[1]
+        folder, batch = identity(cfg, store)[1], max(cfg.caption.batch_size, 1)
         if folder is not None:  # the preflight: refused here, before loading, when it cannot fit
             memory = caption_memory.check(cfg, folder)
-            log.info("caption: the captioner needs about %.2f GiB (%s)", memory["device_gb"], memory["setting"])
-        _compute(cfg, store, todo, keys, folder)
+            batch = memory["batch"]  # caption.batch_size=0: the largest the card allows
+            log.info("caption: the captioner needs about %.2f GiB (%s, %d image(s) a batch)", memory["device_gb"],
+                     memory["setting"], batch)
+        _compute(cfg, store, todo, keys, folder, batch)
     captions = stored_captions(store, images, keys)
     by_name = {w.name: captions[w.image] for w in images if w.image in captions}
     if run_dir is not None and by_name:

@@ -28,7 +28,7 @@ _CHOICES = {("data", "resolution_type"): ("pixels", "area"), ("train", "lr_sched
 _POSITIVE = (("train", "max_steps"), ("train", "lr"), ("train", "rank"), ("train", "batch_size"),
              ("train", "log_every"), ("train", "num_processes"), ("train", "gradient_accumulation_steps"),
              ("train", "discrete_flow_shift"), ("runner", "n_workers"), ("sample", "steps"), ("data", "resolution"), ("model", "max_sequence_length"),
-             ("caption", "max_new_tokens"), ("caption", "batch_size"), ("caption", "timeout"))
+             ("caption", "max_new_tokens"), ("caption", "timeout"))
 def value(cfg: Config, section: str, key: str):
     """The setting `section.key` of cfg (the checks below are tables of keys)."""
     return getattr(getattr(cfg, section), key)
@@ -59,6 +59,8 @@ def check_config(cfg: Config) -> list[str]:
     if cfg.data.bad_files not in ("error", "skip"):
         errors.append(f"data.bad_files={cfg.data.bad_files!r}: choose error (stop, list them) or skip "
                       "(leave them out, train the rest)")
+    if not cfg.caption.batch_size >= 0:
+        errors.append(f"caption.batch_size={cfg.caption.batch_size!r}: images a batch, or 0 for the most the card allows")
     if not cfg.caption.temperature >= 0:
         errors.append(f"caption.temperature={cfg.caption.temperature!r}: 0 (greedy) or more (sampled from caption.seed)")
     if cfg.caption.endpoint and not cfg.caption.endpoint.startswith(("http://", "https://")):

@@ -237,7 +237,9 @@ class CaptionConfig:
     seed: int = 0
     # the largest image the model sees, in pixels (Qwen2.5-VL's own limit is 12.8 MP: 16k vision tokens); in the key
     max_pixels: Optional[int] = 1048576
-    batch_size: int = 1  # images a generate call (left-padded; 1 is exact, larger is faster on a GPU)
+    # images a generate call (left-padded; 1 is exact, larger is faster on a GPU); 0: the largest (up to 16) whose
+    # preflight fits the card (tasks/captioning/memory.py)
+    batch_size: int = 1
     dtype: Optional[str] = None  # null: model.dtype
     quantize: str = "none"  # none | fp8 | int8 | nf4: its Linears stored so, as text.quantize stores the encoders
     offload: bool = False  # its layers wait on the host, one at a time on the GPU (as text.offload)

@@ -384,3 +384,18 @@ def test_the_captioner_has_a_preflight_and_is_refused_before_loading_when_it_can
                                            r"\(caption.quantize=none caption.max_pixels=1048576\) > 0.00 GiB \(train.memory_limit_gb\); nothing"):
         caption.run(_cfg(root, data, "caption.prompt=other", "train.memory_limit_gb=0.000001"), store)
     assert torch.is_grad_enabled()  # nothing left switched off by a refusal
+
+
+def test_batches_as_the_card_allows(ws):
+    root, data, store = ws
+    full = caption.run(_cfg(root, data, "caption.batch_size=0"), store)
+    assert full["summary"]["memory_estimate"]["batch"] == 16 and full["computed"] == 11  # a tiny model: the cap
+    from tasks.captioning import memory
+    from tasks.models.tiny.tiny_vlm import build_tiny_vlm
+
+    folder = build_tiny_vlm(root / "vlm")
+    sizes = [memory.estimate(folder, "float32", "none", False, 8, 1048576, b)["device_gb"] for b in (1, 2, 3)]
+    budget = (sizes[1] + sizes[2]) / 2  # room for two images a batch, not three
+    picked = caption.run(_cfg(root, data, "caption.batch_size=0", "caption.prompt=third",
+                              f"train.memory_limit_gb={budget}"), store)
+    assert picked["summary"]["memory_estimate"]["batch"] == 2 and picked["computed"] == 11

@@ -27,9 +27,13 @@ def vision_patches(folder: Path, max_pixels: int | None) -> tuple[int, int]:
     return patches, max(1, patches // (merge * merge))
 
 
+MAX_BATCH = 16  # caption.batch_size=0: the largest batch up to this that the preflight fits
+
+
 def estimate(folder: Path, dtype: str, quantize: str, offload: bool, max_new_tokens: int,
-             max_pixels: int | None) -> dict:
-    """{device_gb, host_gb, setting, weights_gb, activations_gb} of the captioner captioning one image."""
+             max_pixels: int | None, batch: int = 1) -> dict:
+    """{device_gb, host_gb, setting, weights_gb, activations_gb} of the captioner captioning `batch` images at a
+    time (the forward's states, KV cache and vision tower's activations grow with the batch; the weights do not)."""
     from tasks.run_memory import text_encoder
     from tasks.training.host_memory import PROCESS_GB
     from tasks.training.memory import GB
@@ -41,11 +45,11 @@ def estimate(folder: Path, dtype: str, quantize: str, offload: bool, max_new_tok
     inter = vision.get("intermediate_size", 4 * width)
     act = 4 if dtype == "float32" else 2
     tower = patches * (4 * width + 3 * inter) * act  # one block's live states: no attention matrix (SDPA)
-    peak = max(part["activations"], tower) + part["transient"]
+    peak = batch * max(part["activations"], tower) + part["transient"]
     setting = f"caption.quantize={quantize}" + (" caption.offload=true" if offload else "") + \
         (f" caption.max_pixels={max_pixels}" if max_pixels else "")
     # as run_memory's nodes: the process, what waits on the host and the loading's largest tensor in host RAM
-    return {"device_gb": (part["weights"] + peak) / GB, "host_gb": PROCESS_GB + (part["held"] + part["loading"]) / GB,
+    return {"device_gb": (part["weights"] + peak) / GB, "batch": batch, "host_gb": PROCESS_GB + (part["held"] + part["loading"]) / GB,
             "host_held_gb": part["held"] / GB, "setting": setting, "weights_gb": part["weights"] / GB,
             "activations_gb": peak / GB}
 
@@ -56,11 +60,16 @@ def check(cfg, folder: Path) -> dict:
 
     c = cfg.caption
     dtype = c.dtype or cfg.model.dtype
-    est = estimate(folder, dtype, c.quantize, c.offload, c.max_new_tokens, c.max_pixels)
+    est = estimate(folder, dtype, c.quantize, c.offload, c.max_new_tokens, c.max_pixels, max(c.batch_size, 1))
     limit = cfg.train.memory_limit_gb
     budget, source = (limit, "train.memory_limit_gb") if limit else available_gb()
     est["budget_gb"] = None if budget == float("inf") else budget
     if est["device_gb"] <= budget:
+        if c.batch_size == 0:  # as the card allows: the largest batch whose preflight fits
+            for b in range(MAX_BATCH, 1, -1):
+                bigger = estimate(folder, dtype, c.quantize, c.offload, c.max_new_tokens, c.max_pixels, b)
+                if bigger["device_gb"] <= budget:
+                    return {**bigger, "budget_gb": est["budget_gb"]}
         return est
     fits = []
     pixels = c.max_pixels or vision_patches(folder, None)[0] * 196
