@@ -33,6 +33,7 @@ def settings(cfg: Config) -> dict:
     c = cfg.caption
     return {"prompt": c.prompt, "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
             **({"quantize": c.quantize} if c.quantize != "none" and not c.endpoint else {}),
+            **({} if c.endpoint else {"dtype": c.dtype or cfg.model.dtype}),  # a bf16 captioner writes other words
             **({"seed": c.seed} if c.temperature > 0 else {}), **({"max_pixels": c.max_pixels} if c.max_pixels else {})}
 
 

@@ -95,6 +95,7 @@ def test_cached_per_image_one_new_image_captions_one_a_new_prompt_all(ws):
     assert (reworded["computed"], reworded["reused"]) == (12, 0)
     longer = caption.run(_cfg(root, data, "caption.max_new_tokens=9"), store)  # a generation setting: in the key
     assert longer["computed"] == 12
+    assert caption.run(_cfg(root, data, "caption.dtype=bfloat16"), store)["computed"] == 12  # the dtype too
     os.remove(data / "img_99.png")
     removed = caption.run(_cfg(root, data), store)
     assert (removed["computed"], removed["reused"]) == (0, 11)
