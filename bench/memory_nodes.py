@@ -268,8 +268,10 @@ def measure_latents(model: str, options: str) -> dict:
     weights = sum(p.numel() * 2 for p in v.parameters())
     (w, h), frames = geometry(model, 1024)
     video = type(v).__name__ not in ("AutoencoderKL", "AutoencoderKLFlux2")
-    shape = (1, 3, frames, h, w) if video else (1, 3, h, w)
-    pixels = 3 * w * h * frames * 2
+    # RGB, or RGBA where the encoder takes 4 unpatched channels (Qwen-Image 2.1's VAE: its adapter adds the alpha)
+    c = v.config.in_channels if getattr(v.config, "in_channels", 3) == 4 and not getattr(v.config, "patch_size", None) else 3
+    shape = (1, c, frames, h, w) if video else (1, c, h, w)
+    pixels = c * w * h * frames * 2
 
     def run(inputs):
         if inputs is None:
@@ -334,6 +336,8 @@ def measure_sample(model: str, options: str) -> dict:
     if offload:
         host, copies = _offload(den, blocks(den, adapter.swap_blocks), sizes)
         base, held = base - host + copies, host
+    n = max(len(real(model).denoisers), 1)  # the pipeline's denoisers, stored alike (Ideogram 4's unconditional one:
+    base, held = base * n, held * n  # the same architecture), run one after the other: one forward's peak
     lora_bytes = sum(p.numel() for p in named.values()) * 2
     scheduler = FlowMatchEulerDiscreteScheduler()
     (w, h), frames = geometry(model, 1024)

@@ -53,7 +53,10 @@ DECODE = {"AutoencoderKL": (6.0, lambda f: 1), "AutoencoderKLFlux2": (6.0, lambd
           "AutoencoderKLWan+residual": (21.0, lambda f: min(f, 4)), "AutoencoderKLLTX2Video": (2.3, lambda f: f + 1),
           # HunyuanVideo's (Kandinsky 5): every frame at once; measured by bench.memory --nodes (kandinsky5_lite:sample:
           # nf4, 33 frames at 768x512: a decode peak of 14.45 GiB = 4.65 x the first level at full size x 33 frames)
-          "AutoencoderKLHunyuanVideo": (4.7, lambda f: f)}
+          "AutoencoderKLHunyuanVideo": (4.7, lambda f: f),
+          # Qwen-Image 2.1's (its 144-wide decoder): qwenimage21:sample at 1024 px, a decode peak of 6.28 GiB = 22.3 x
+          # the last level at full size (the default read it 6 % low)
+          "AutoencoderKLQwenImage21+residual": (22.4, lambda f: min(f, 4))}
 DECODE_DEFAULT = (21.0, lambda f: f)
 # transformers' modules a text encoder keeps out of fp8 (text_load._unstored: T5's `wo`, `_keep_in_fp32_modules`),
 # and in fp32 under float16 (its dtype plan), by the architecture config.json names
@@ -303,7 +306,8 @@ def sample(cfg: Config, adapter, size: tuple[int, int], prompts=()) -> dict:
     w, h, frames = sample_size(cfg, size, prompts, adapter.clips is not None)
     tokens, width, _ = adapter.activation_geometry(config, (w, h), mc.max_sequence_length, frames)
     act = 4 if dtype == "float32" else 2
-    peak, beside = INFER_FACTORS.get(adapter.family) or INFER_FACTORS.get(config.get("_class_name"), INFER_DEFAULT)
+    peak, beside = (adapter.infer_factors or INFER_FACTORS.get(adapter.family)
+                    or INFER_FACTORS.get(config.get("_class_name"), INFER_DEFAULT))
     from tasks.training import w8a8
 
     upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored

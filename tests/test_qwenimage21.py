@@ -153,6 +153,31 @@ def test_training_predicts_what_the_pipeline_asks_the_transformer(adapter, texts
             assert torch.equal(pred[i], ref[0, -4:].transpose(0, 1).reshape(8, 2, 2))  # __call__: noise_pred[:, -4:]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_known_layout_forward_is_the_transformers_forward(adapter, texts, checkpointed):
+    """bench.memory's path (its fake tensors cannot give the mask's values): the same bytes as the forward, the
+    LoRA's gradients too, for a caption and the empty one (the same ops in the same order: exact)."""
+    from tasks.models.qwenimage21 import known_layout_forward
+
+    for d in (texts[0], texts[2]):
+        n = int(d["attention_mask"].sum())
+        outs = []
+        for known in (False, True):
+            torch.manual_seed(0)  # the LoRA's A matrices
+            transformer = _lora(adapter)
+            if checkpointed:
+                transformer.enable_gradient_checkpointing()
+            noisy = torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(5))  # 2 x 4 tokens, 8 channels
+            embeds, t = d["prompt_embeds"][None, :n], torch.tensor([0.3])
+            out = (known_layout_forward(transformer, noisy, embeds, t, 2, 4) if known else
+                   transformer(hidden_states=noisy, timestep=t, encoder_hidden_states=embeds, img_shapes=[[(1, 2, 4)]],
+                               img_mask=torch.tensor([[False] * n + [True] * 2]), return_dict=False)[0])
+            out.square().sum().backward()
+            outs.append((out, [p.grad for p in transformer.parameters() if p.requires_grad]))
+        assert torch.equal(outs[0][0], outs[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+
+
 @pytest.mark.parametrize("true_cfg", [1.0, 3.0])
 def test_sample_from_cached_text_is_the_pipelines_image(adapter, texts, model, true_cfg):
     pipe = adapter.load_sampler(None)

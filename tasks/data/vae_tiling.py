@@ -32,6 +32,8 @@ KINDS = {
     # HunyuanVideo's (Kandinsky 5): bench.memory --nodes, kandinsky5_lite (768x512) and kandinsky5_i2v_pro (512x512)
     # at 33 frames, untiled 8.70 / 5.96 GiB: 2.641 / 2.641 per value of the first level; tiled (256 px) within 1 %
     "AutoencoderKLHunyuanVideo": {"factor": 2.64, "params": 406.6, "frames": lambda f: f, "tile": 256},
+    # Qwen-Image 2.1's (RGBA, /16): bench.memory --nodes, qwenimage21 at 1024 px: 11.06 untiled, 11.19 a 256 px tile
+    "AutoencoderKLQwenImage21": {"factor": 11.2, "params": 246.0, "frames": lambda f: min(f, 4), "tile": 256},
 }
 _UNKNOWN = {"factor": 10.2, "params": 516.4, "frames": lambda f: f, "tile": 256}  # the largest of the above
 

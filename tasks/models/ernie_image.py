@@ -69,9 +69,11 @@ class ErnieImageAdapter(TransformerAdapter):
         text=(("text_encoder", _MINISTRAL3),), vae=("AutoencoderKLFlux2", {}),
         # the card table's picks (bench.memory --families, 1024 px, 512 text tokens, rank 16; measured GiB):
         # bf16+ckpt 18.4 for 24 GB cards, fp8+ckpt for 16 GB, nf4+ckpt 7.3 for 12 GB (no swap needed)
-        rows=("bf16+ckpt", "fp8+ckpt", "nf4+ckpt"), cards=(1,)),)
-    # In the card table by the preflight, not among the node rows / goals yet: its sample:nf4+offload preflight (2.38
-    # GiB) is 14 % over the measured 2.09, outside the node rows' 10 % (bench.memory --nodes, 2026-11-29)
+        rows=("bf16+ckpt", "fp8+ckpt", "nf4+ckpt"), card=(12, 32)),)
+    # The sample node's forward (bench.memory --nodes, 1024 px, 512 tokens): its own peak 0.918 GiB = 26.1 values a
+    # token x width; its largest stored Linear is the shared adaLN_modulation (4096 -> 6 x 4096), dequantized before
+    # the blocks with 2.1 beside it (NF4: 1.392 GiB), not the table's 13.4 inside a block (which read it 29 % high)
+    infer_factors = (26.1, 2.1)
 
     @staticmethod
     def bench_batch(config: dict, size: tuple[int, int], frames: int, text_len: int):

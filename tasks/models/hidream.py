@@ -105,16 +105,16 @@ class HiDreamAdapter(TransformerAdapter):
     # which the preset names as text_encoder_4 through its own folder): 17 B transformer, four text encoders, FLUX.1's
     # VAE. Rows: the card table's picks at 1024 px, 512 tokens (bench.memory --families, 2026-11-29; peak / preflight
     # GiB): bf16+ckpt 36.6 / 36.3 (48 GB cards), fp8+ckpt (24 GB), nf4+ckpt 13.0 / 12.8 (16 GB),
-    # nf4+ckpt+offload+swap10 (12 GB; swap24 measured 8.6 / 8.1, 5.1 GiB on the host). By the preflight the whole run
-    # fits 12 GB with 25.4 GB of host RAM (cache_text: the encoders offloaded); no node rows (`cards`, not `card`):
-    # the sample node's MoE routes by values (moe_infer), which bench.memory's fake tensors do not have. The train
-    # rows' MoE runs balanced under the fake tensors.
+    # nf4+ckpt+offload+swap10 (12 GB; swap24 measured 8.6 / 8.1, 5.1 GiB on the host). The whole run fits 12 GB
+    # with 25.4 GB of host RAM (cache_text: the four encoders offloaded, 23 GiB of them waiting on the host). Under
+    # bench.memory's fake tensors (no values) the MoE runs balanced and the output unpatchifies as in training, in
+    # the train and the sample rows alike (training_loss)
     real_sizes = (RealSize(
         name="hidream_i1_full", denoiser="HiDreamImageTransformer2DModel", arch=HIDREAM_I1,
         text=(("text_encoder", CLIP_L), ("text_encoder_2", CLIP_G), ("text_encoder_3", "t5_xxl"),
               ("text_encoder_4", LLAMA_31_8B)),
         vae=("AutoencoderKL", FLUX1_VAE),
-        rows=("bf16+ckpt", "fp8+ckpt", "nf4+ckpt", "nf4+ckpt+offload+swap10"), cards=(1,)),)
+        rows=("bf16+ckpt", "fp8+ckpt", "nf4+ckpt", "nf4+ckpt+offload+swap10"), card=(12, 32)),)
 
     # train.gradient_checkpointing_offload: each block's inputs (one token x width value a token: the image and the
     # caption windows) and the RoPE table every block takes (64 x 2 x 2 fp32 a token: 0.2 of a bf16 token x 2560), a
@@ -212,15 +212,19 @@ class HiDreamAdapter(TransformerAdapter):
         # denoiser (the stored-base checks, a caller's) would pass no gradient through the routed experts
         moe = [m for m in transformer.modules() if type(m).__name__ == "MOEFeedForwardSwiGLU"]
         fake = isinstance(latents, torch._subclasses.fake_tensor.FakeTensor)
-        modes = [m.training for m in moe]
-        for m in moe:
+        # under bench.memory's fake tensors (shapes, no values) the transformer unpatchifies as in training too: its
+        # eval branch slices by the image-size tensor's values (the same output bytes either way)
+        flagged = moe + [transformer] if fake else moe
+        modes = [m.training for m in flagged]
+        for m in flagged:
             m.training = True
-            if fake:  # bench.memory's shapes-only model: routing by value cannot run there; kept for the
-                m.forward = _balanced_moe.__get__(m)  # checkpointed blocks' recompute in backward
+        if fake:  # routing by value cannot run there; kept for the checkpointed blocks' recompute in backward
+            for m in moe:
+                m.forward = _balanced_moe.__get__(m)
         try:
             out = transformer(hidden_states=noisy, timesteps=timesteps, return_dict=False, **kw)[0]
         finally:
-            for m, mode in zip(moe, modes):
+            for m, mode in zip(flagged, modes):
                 m.training = mode
         if out.shape != latents.shape:  # train mode: [B, C, max_seq, p*p], row-major patches (padded if not square)
             p = transformer.config.patch_size

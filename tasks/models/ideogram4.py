@@ -144,12 +144,15 @@ class Ideogram4Adapter(TransformerAdapter):
     sample_parts = dict(text_encoder=None, tokenizer=None, **_SAFE)
     LORA_TARGETS = r"layers\.\d+\.(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])"
     real_sizes = (RealSize("ideogram4", "Ideogram4Transformer2DModel", text=(("text_encoder", QWEN3_VL_8B),),
-                           vae=FLUX2_VAE, cards=(1,), denoisers=("transformer", "unconditional_transformer"),
-                           rows=("bf16+ckpt", "bf16+ckpt+swap16", "int8+ckpt")),)
-    # In the card table by the preflight alone (the sample node's with both transformers), with no node rows: those
-    # measure one denoiser's forward. Not a row: nf4+ckpt (measured 8.17 GiB, peak 9.27; the
-    # preflight's 10.54 is 14 % over, the largest Linear's dequantized copy counted on top of the activations), nor
-    # nf4+ckpt+offload+swap16 (the preflight's host 3.38 GiB for the measured 4.05 of its swapped NF4 blocks)
+                           vae=FLUX2_VAE, card=(16, 32), denoisers=("transformer", "unconditional_transformer"),
+                           rows=("bf16+ckpt", "fp8+ckpt", "bf16+ckpt+swap16", "int8+ckpt")),)
+    # The sample node rows hold both transformers (one forward at a time). Not a row: nf4+ckpt (measured 8.17 GiB,
+    # peak 9.27; the preflight's 10.54 is 14 % over, the largest Linear's dequantized copy counted on top of the
+    # activations), nor nf4+ckpt+offload+swap16 (the preflight's host 3.38 GiB for the measured 4.05 of its swapped
+    # NF4 blocks): the 12 GB card's train pick (nf4+ckpt+offload) is the preflight's, the goal 16 GB.
+    # The sample node's forward (bench.memory --nodes, 1024 px, 512 tokens): its own peak 2.785 GiB = 70.4 values a
+    # token x width (an RMSNorm's float32 copies), 24.2 beside the NF4 dequantize: the table's default read it 47 % low
+    infer_factors = (70.5, 24.2)
 
     @staticmethod
     def activation_geometry(config: dict, size: tuple[int, int], text_tokens: int, frames: int = 1) -> tuple[int, int, int]:

@@ -83,6 +83,32 @@ def text_processor(model_dir):
     return _text_processor_cls()(tokenizer, template.read_text() if template.is_file() else None)
 
 
+def known_layout_forward(transformer, hidden_states, encoder_hidden_states, timestep, height: int, width: int):
+    """QwenImage21Transformer2DModel.forward for one text-only prompt (all its tokens valid, then the target image),
+    its layout written from the known sizes instead of read from the image mask's values (`nonzero`, `.tolist()`),
+    which bench.memory's fake tensors (shapes, no values) do not have; their RoPE table is an empty one of its shape.
+    tests/test_qwenimage21.py holds it equal to the forward on real tensors."""
+    t, n, hw = transformer, encoder_hidden_states.shape[1], height * width
+    hidden = t.img_in(hidden_states)
+    joint = torch.cat([t.txt_in(encoder_hidden_states), hidden], dim=1)  # the text slots, then the target's tokens
+    target = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(hw, dtype=torch.bool)]).to(hidden.device)
+    if isinstance(hidden, torch._subclasses.fake_tensor.FakeTensor):
+        rotary = torch.empty(n + hw, sum(t.pos_embed.axes_dim) // 2, dtype=torch.complex64, device=hidden.device)
+    else:
+        rotary = t.pos_embed([(1, height, width)], target, device=hidden.device)
+    timestep = timestep.to(hidden.dtype)
+    mask = None
+    if t.config.causal_condition:  # the text modulated at t = 0
+        timestep, mask = torch.cat([timestep, timestep.new_zeros(1)]), target
+    temb = t.time_text_embed(timestep, hidden)
+    modulation = t.modulation(temb)
+    for block in t.transformer_blocks:  # QwenImage21AttnProcessor's segments: the caption, causal
+        args = (joint, modulation, rotary, None, mask, None, None, None, [(0, n, True)], None)
+        joint = (t._gradient_checkpointing_func(block, *args) if torch.is_grad_enabled() and t.gradient_checkpointing
+                 else block(*args))
+    return t.proj_out(t.norm_out(joint, temb, mask))
+
+
 class QwenImage21Adapter(TransformerAdapter):
     family = "qwenimage21"
     # kohya: musubi-tuner's names; ComfyUI's (COMFYUI_RULES), and its LyCORIS file: its generic `lora_unet_<key>`
@@ -100,12 +126,14 @@ class QwenImage21Adapter(TransformerAdapter):
     # every Linear of QwenImage21TransformerBlock: what musubi-tuner's networks.lora_qwen_image_21 wraps
     LORA_TARGETS = r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|img_mlp\.(proj|gate_layer|out))"
     # Qwen/Qwen-Image-2.1: the class defaults are its config (32 blocks of 4096, SwiGLU 3x, context 4096), 7.1 B
-    # parameters (13.3 GiB in bf16; the preflight at 1024 px, rank 16: 16.3 GiB), Qwen3-VL-8B beside it: the 12-16 GB
-    # cards train on an nf4 base (6.7 GiB; with 8 blocks swapped and offload 4.9)
+    # parameters (13.3 GiB in bf16), Qwen3-VL-8B beside it. Rows (bench.memory --families, 1024 px, 512 tokens, rank
+    # 16; measured / peak GiB): bf16+ckpt 16.2 / 16.7 (24 GB cards), fp8+ckpt 9.6 / 10.0 (12-16 GB), nf4+ckpt 6.4 /
+    # 7.1. Measured through known_layout_forward (its fake tensors have no mask values to read). Not a row:
+    # nf4+ckpt+offload+swap8 (4.6 / 5.3, preflight 4.9; its host preflight 1.96 GiB for the measured 2.04 of the
+    # swapped NF4 blocks, outside the rows' 1 %)
     real_sizes = (RealSize("qwenimage21", "QwenImage21Transformer2DModel", text=(("text_encoder", QWEN3_VL_8B),),
-                           vae=("AutoencoderKLQwenImage21", {}),
-                           cards=(1,)),)  # card-table rows from the preflight; no measured rows: the
-    # transformer reads its mask's values (.tolist(), repeat_interleave), which bench.memory's fake tensors cannot give
+                           vae=("AutoencoderKLQwenImage21", {}), card=(12, 32),
+                           rows=("bf16+ckpt", "fp8+ckpt", "nf4+ckpt")),)
 
     @classmethod
     def reference_pipeline(cls, base, text_tokens):
@@ -178,12 +206,17 @@ class QwenImage21Adapter(TransformerAdapter):
     def predict(self, transformer, noisy, timesteps, embeds, mask):
         """The transformer's velocity for each item as QwenImage21Pipeline.__call__ asks it for one prompt."""
         b, c, h, w = noisy.shape
+        fake = isinstance(noisy, torch._subclasses.fake_tensor.FakeTensor)  # bench.memory: all-ones masks
         preds = []
         for i in range(b):
+            packed, t = noisy[i:i + 1].reshape(1, c, h * w).transpose(1, 2), timesteps[i:i + 1] / 1000
+            if fake:
+                pred = known_layout_forward(transformer, packed, embeds[i:i + 1], t, h, w)
+                preds.append(pred[:, -h * w:].transpose(1, 2).reshape(1, c, h, w))
+                continue
             n = int(mask[i].sum())
             img_mask = torch.cat([torch.zeros(1, n, dtype=torch.bool), torch.ones(1, h * w // 4, dtype=torch.bool)], 1)
-            pred = transformer(hidden_states=noisy[i:i + 1].reshape(1, c, h * w).transpose(1, 2),
-                               timestep=timesteps[i:i + 1] / 1000, encoder_hidden_states=embeds[i:i + 1, :n],
+            pred = transformer(hidden_states=packed, timestep=t, encoder_hidden_states=embeds[i:i + 1, :n],
                                img_shapes=[[(1, h, w)]], img_mask=img_mask.to(noisy.device), return_dict=False)[0]
             preds.append(pred[:, -h * w:].transpose(1, 2).reshape(1, c, h, w))
         return torch.cat(preds)

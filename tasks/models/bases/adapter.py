@@ -140,6 +140,9 @@ class FamilyAdapter(ABC):
     # block's backward holds in flight, what train.gradient_checkpointing_offload copies per token x width and per
     # text token x width (a caption that is a block input beside the sequence); {}: the defaults
     activation_extras: dict = {}
+    # The sample node's inference forward (tasks/run_memory.py's INFER_FACTORS: its own peak, what is live beside the
+    # largest stored Linear's dequantize) where measured on the family itself; None: the table's
+    infer_factors: tuple[float, float] | None = None
     # The benchmarks' knowledge of the family (issue 64 item 4), declared here, read by bench/ through the registry:
     # its full-size models (tasks/models/bases/real_size.py; bench.memory's rows, node rows and card table), and how
     # the learning check renders its kohya file: "diffusers" (the pipeline's load_lora_weights reads it) or "merge"
