@@ -136,14 +136,17 @@ def text_checkpoint_bytes(name: str) -> int:
 
 
 def text_stored_estimate(name: str, kind: str) -> int:
-    """Bytes of the encoder as `kind` stores it, from the meta model (load_text_model's rules: every nn.Linear
-    weight stored but one tied to an embedding, all else bf16; NF4: 4 bits plus an int8 scale per 64 and an fp32
-    one per 256 of those; int8: a byte plus a bf16 scale per row)."""
+    """Bytes of the encoder as `kind` stores it, from the meta model (load_text_model's rules: a language model's
+    output head dropped, as cache_text loads it; every nn.Linear weight stored but one tied to an embedding, all
+    else bf16; NF4: 4 bits plus an int8 scale per 64 and an fp32 one per 256 of those; int8: a byte plus a bf16
+    scale per row)."""
     import torch
 
     from bench.text_encoder_configs import build
+    from tasks.models.loading.text_load import drop_head
 
     model, total = build(TEXT[name]), 0
+    drop_head(model)
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # a tied lm_head's
     linear = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear} - embedded
     for p in [*model.parameters(), *model.buffers()]:

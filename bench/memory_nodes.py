@@ -215,6 +215,7 @@ def measure_text(model: str, options: str) -> dict:
     import torch
 
     from bench.text_encoder_configs import build
+    from tasks.models.loading.text_load import drop_head
     from tasks.training.fp8_base import HOOK_NAME, StorageCastHook
     from diffusers.hooks import HookRegistry
 
@@ -223,6 +224,7 @@ def measure_text(model: str, options: str) -> dict:
     weights = held = peak = 0
     for _, name in real(model).text:
         enc = build(name)
+        drop_head(enc)  # as cache_text loads it (text_load.TextLoading.head)
         unstored = set()
         if kind == "fp8":  # text_load._unstored: transformers' fp32 modules stay in the compute dtype
             unstored = {p for p, _ in enc.named_modules() if any(p == k or p.endswith("." + k) for k in enc._keep_in_fp32_modules or ())}

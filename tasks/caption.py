@@ -94,7 +94,7 @@ def _captioner(cfg: Config, folder: Path | None):
     from tasks.training.quantized_base import text_loading
 
     dtype = c.dtype or cfg.model.dtype
-    loading = dataclasses.replace(text_loading(c), keep=caption_memory.KEEP)  # the output head unquantized
+    loading = dataclasses.replace(text_loading(c), keep=caption_memory.KEEP, head=True)  # the head, unquantized
     return Captioner(folder, dtype, loading, "cuda" if cuda_available() else "cpu",
                      settings(cfg) | {"seed": c.seed, "max_pixels": c.max_pixels})
 

@@ -144,10 +144,11 @@ def _text_config(config: dict) -> dict:
     return {**config, **(config.get("text_config") or {})}
 
 
-def text_activations(config: dict, tokens: int, act_bytes: int = 2) -> float:
+def text_activations(config: dict, tokens: int, act_bytes: int = 2, head: bool = True) -> float:
     """Bytes one text forward holds at its peak (batch 1): a decoder language model returns every layer's hidden
-    states (the pipelines read some of them) and fills its KV cache, then the logits or one layer's gated MLP; an
-    encoder (T5, CLIP) two states, its MLP and T5's position bias."""
+    states (the pipelines read some of them) and fills its KV cache, then the logits (`head`: its output head
+    loaded, text_load.TextLoading.head) or one layer's gated MLP; an encoder (T5, CLIP) two states, its MLP and
+    T5's position bias."""
     c = _text_config(config)
     h = c.get("hidden_size") or c.get("d_model")
     n = c.get("num_hidden_layers") or c.get("num_layers")
@@ -161,15 +162,24 @@ def text_activations(config: dict, tokens: int, act_bytes: int = 2) -> float:
         return (2 * tokens * h + 3 * tokens * inter) * act_bytes + bias
     kv, hd = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
     states = ((n + 1) * tokens * h + 2 * n * tokens * kv * hd) * act_bytes
-    lm = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or ())
+    lm = head and is_lm(config)
     return states + max(tokens * c.get("vocab_size", 0) * act_bytes if lm else 0, 3 * tokens * inter * act_bytes)
 
 
-def text_encoder(folder: Path, dtype: str, quantize: str, offload: bool, tokens: int, keep: tuple = ()) -> dict:
+def is_lm(config: dict) -> bool:
+    """A language model with an output head (`lm_head`), by its config.json's architectures."""
+    return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or ())
+
+
+def text_encoder(folder: Path, dtype: str, quantize: str, offload: bool, tokens: int, keep: tuple = (),
+                 head: bool = True) -> dict:
     """One text encoder as cache_text loads it (the module doc), bytes; `keep`: Linears never stored
-    (text_load.TextLoading.keep)."""
+    (text_load.TextLoading.keep); `head`: a language model's output head loaded (TextLoading.head; cache_text
+    drops it)."""
     config = json.loads((folder / "config.json").read_text())
     ents = entries(folder)
+    if not head and is_lm(config):
+        ents = {k: v for k, v in ents.items() if not re.search(r"(^|\.)lm_head\.", k)}
     arch = next(iter(config.get("architectures") or ()), "")
     fp32 = KEEP_FP32.get(arch, ()) if dtype == "float16" else ()
     unstored = (KEEP_FP32.get(arch, ()) if quantize == "fp8" else ()) + tuple(keep)
@@ -193,7 +203,7 @@ def text_encoder(folder: Path, dtype: str, quantize: str, offload: bool, tokens:
         per_layer = [sum(size[n] for n in members if _castable(n, ents[n][0])) for members in layers(ents).values()]
         held, resident_copies = float(sum(per_layer)), float(sum(sorted(per_layer)[-2:]))
     act_bytes = 4 if dtype == "float32" else 2
-    return {"weights": sum(size.values()) - held + resident_copies, "held": held, "activations": text_activations(config, tokens, act_bytes),
+    return {"weights": sum(size.values()) - held + resident_copies, "held": held, "activations": text_activations(config, tokens, act_bytes, head),
             "transient": UPCAST_BYTES.get(STORAGE.get(quantize), 0.0) * largest,
             "loading": _loading_gb(ents, DTYPE_BYTES[dtype] if offload else 0) * GB}
 
@@ -206,7 +216,7 @@ def cache_text(cfg: Config, adapter) -> dict:
         if folder is None:
             continue
         if name.startswith("text_encoder"):  # transformers' encoders (text_load.py); others (LTX-2's connectors) as-is
-            parts[name] = text_encoder(folder, mc.dtype, tc.quantize, tc.offload, mc.max_sequence_length)
+            parts[name] = text_encoder(folder, mc.dtype, tc.quantize, tc.offload, mc.max_sequence_length, head=False)
         else:
             ents = entries(folder)
             parts[name] = {"weights": sum(_numel(s) for s, _ in ents.values()) * DTYPE_BYTES[mc.dtype], "held": 0.0,

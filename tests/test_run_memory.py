@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from tasks import run_memory
 from tasks.config import ConfigError, compose, resolve_paths, updated
@@ -81,6 +82,35 @@ def test_the_text_estimate_is_what_the_loader_stores(tmp_path):
             on_device += sum(sorted(per)[-2:])
         assert est["host_held_gb"] * GB == held, quantize
         assert est["weights_gb"] * GB == pytest.approx(on_device, rel=1e-12), quantize  # the same integers
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_cache_text_drops_a_language_models_head_and_the_estimate_follows(tmp_path, quantize):
+    """tiny_qwenimage's Qwen2.5-VL (a ForConditionalGeneration with its lm_head in the checkpoint): cache_text's
+    loader leaves the head out (no weight of it on the device, logits of zero width), the embeddings are the
+    full model's bytes, and the preflight's weights are what is loaded (head excluded); the captioner's loading
+    (TextLoading.head) keeps it."""
+    import dataclasses
+
+    from tasks.models.loading.text_load import load_text_model
+    from tasks.training.block_swap import stored_nbytes
+    from tasks.training.quantized_base import text_loading
+
+    cfg, adapter = _tiny(tmp_path, "model=tiny_qwenimage", f"text.quantize={quantize}")
+    folder = adapter.model_dir / "text_encoder"
+    cls = transformers.Qwen2_5_VLForConditionalGeneration
+    loading = text_loading(cfg.text)
+    enc = load_text_model(cls, folder, torch.float32, loading)
+    full = load_text_model(cls, folder, torch.float32, dataclasses.replace(loading, head=True))
+    assert "lm_head.weight" in dict(full.named_parameters()) and not any("lm_head" in n for n, _ in enc.named_parameters())
+    ids = torch.tensor([[5, 17, 42, 7, 99]])
+    out, ref = enc(input_ids=ids, output_hidden_states=True), full(input_ids=ids, output_hidden_states=True)
+    assert out.logits.shape[-1] == 0 and ref.logits.shape[-1] == full.config.text_config.vocab_size
+    assert all(torch.equal(a, b) for a, b in zip(out.hidden_states, ref.hidden_states))  # the same ops up to the head
+    est = run_memory.cache_text(cfg, adapter)
+    # the same integers unquantized; NF4: the formula against torchao's tensors (1 %, as the node rows' host figures)
+    rel = 1e-12 if quantize == "none" else 0.01
+    assert est["weights_gb"] * GB == pytest.approx(sum(stored_nbytes(p.data) for p in enc.parameters()), rel=rel)
 
 
 def test_every_node_on_a_tiny_model(tmp_path):

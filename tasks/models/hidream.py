@@ -106,7 +106,7 @@ class HiDreamAdapter(TransformerAdapter):
     # VAE. Rows: the card table's picks at 1024 px, 512 tokens (bench.memory --families, 2026-11-29; peak / preflight
     # GiB): bf16+ckpt 36.6 / 36.3 (48 GB cards), fp8+ckpt (24 GB), nf4+ckpt 13.0 / 12.8 (16 GB),
     # nf4+ckpt+offload+swap10 (12 GB; swap24 measured 8.6 / 8.1, 5.1 GiB on the host). The whole run fits 12 GB
-    # with 25.4 GB of host RAM (cache_text: the four encoders offloaded, 23 GiB of them waiting on the host). Under
+    # with 5.0 GB of host RAM (cache_text: the four encoders in NF4, 8.3 GiB, Llama's head dropped). Under
     # bench.memory's fake tensors (no values) the MoE runs balanced and the output unpatchifies as in training, in
     # the train and the sample rows alike (training_loss)
     real_sizes = (RealSize(

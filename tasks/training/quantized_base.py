@@ -99,9 +99,11 @@ def hook_stored(module: torch.nn.Module, compute_dtype: torch.dtype) -> None:
 
 
 def text_loading(text_cfg):
-    """text.quantize / text.offload as tasks/models/loading/text_load.py takes them, with these functions."""
+    """text.quantize / text.offload as tasks/models/loading/text_load.py takes them, with these functions; a
+    language model's output head dropped (the pipelines read hidden states)."""
     from tasks.models.loading.text_load import TextLoading
 
     from tasks.training.block_swap import swap_every_layer
 
-    return TextLoading(text_cfg.quantize, bool(text_cfg.offload), store_text_weight, hook_stored, swap_every_layer)
+    return TextLoading(text_cfg.quantize, bool(text_cfg.offload), store_text_weight, hook_stored, swap_every_layer,
+                       head=False)

@@ -17,6 +17,7 @@ Checkpoint names are renamed as transformers' own loader renames them (its conve
 split weights) is loaded by from_pretrained whole, which the log says."""
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -45,6 +46,32 @@ class TextLoading:
     # Linears never stored quantized, by module name (the captioner's lm_head: transformers' quantizers leave the
     # output head alone, and dequantizing a 152k-row head per token would cost more than it saves)
     keep: tuple[str, ...] = ()
+    # The language model's output head loaded and run (the captioner's generate); False (cache_text): dropped
+    # before loading (drop_head), as the pipelines read hidden states only (a 152k-row head: 1 GiB in bf16, and
+    # stored NF4 a 7 GiB dequantize for logits nobody reads)
+    head: bool = True
+
+
+@functools.cache
+def _no_head_cls():  # torch is imported lazily (the CLI's startup)
+    class NoHead(torch.nn.Module):
+        """In place of an output head nobody reads: no weights, logits with an empty last axis."""
+
+        def forward(self, hidden_states):
+            return hidden_states[..., :0]
+    return NoHead
+
+
+def drop_head(model) -> bool:
+    """The model's output head (a Linear: transformers' get_output_embeddings) replaced by one without weights;
+    False where it has none (an encoder: T5, CLIP, a base model)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:
+        return False
+    path = next(p for p, m in model.named_modules() if m is head)
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, _no_head_cls()())
+    return True
 
 
 def _renamer(model):
@@ -93,6 +120,8 @@ def load_text_model(cls, folder: Path, dtype, loading: TextLoading = TextLoading
     return_freed_memory()
     with init_empty_weights():
         model = cls._from_config(config, dtype=dtype)
+    if not loading.head:  # its weights then not in the state dict: never read from the checkpoint
+        drop_head(model)
     rename = _renamer(model)
     names = {k: rename(k) for k in entries}
     if any(v is None for v in names.values()):  # a converter's checkpoint: transformers' own loader
@@ -141,6 +170,8 @@ def _placed(model, loading: TextLoading, device: str, dtype, moved: bool = False
         raise ConfigError(f"text.quantize={loading.quantize}: {type(model).__name__}'s checkpoint needs "
                           "transformers' converters, which the streamed loader does not run; use text.quantize=none")
     model.eval().requires_grad_(False)
+    if not loading.head:
+        drop_head(model)
     if loading.offload:
         if loading.swap is None:
             raise ValueError("TextLoading with offload needs its swap")  # a bug, not a user error
