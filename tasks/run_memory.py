@@ -36,11 +36,12 @@ from tasks.training.memory import (GB, UPCAST_BYTES, DTYPE_BYTES, lora_params, b
 STORAGE = {"fp8": "float8_e4m3fn", "int8": "int8", "nf4": "nf4"}  # text.quantize -> memory.py's storage names
 KINDS = ("none", "fp8", "int8", "nf4")
 # One inference forward's live peak (no grad, the LoRA loaded) in values per token x width: (its own peak, what is live
-# beside the dequantize of the largest stored Linear), by family (Wan 2.2 TI2V-5B: its AdaLN tensors are per token)
-# else denoiser class. Measured by bench.memory_nodes (the sample rows' forward_gib: live storages of the forward on
-# fake tensors at the real configs); the second from the int8 / NF4 rows (Wan's an upper bound: its forward's own
+# beside the dequantize of the largest stored Linear), by denoiser class; a family measured on its own declares
+# FamilyAdapter.infer_factors (Wan 2.2 TI2V-5B: its AdaLN tensors are per token). Measured by bench.memory_nodes
+# (the sample rows' forward_gib: live storages of the forward on fake tensors at the real configs); the second
+# from the int8 / NF4 rows (Wan's an upper bound: its forward's own
 # peak hides it). Others: the largest
-INFER_FACTORS = {"wan22_ti2v": (37.4, 13.4), "FluxTransformer2DModel": (17.1, 13.4),
+INFER_FACTORS = {"FluxTransformer2DModel": (17.1, 13.4),
                  "QwenImageTransformer2DModel": (14.5, 6.1), "Flux2Transformer2DModel": (29.4, 2.4),
                  "WanTransformer3DModel": (12.3, 9.2), "LTX2VideoTransformer3DModel": (23.2, 7.1)}
 INFER_DEFAULT = (37.4, 13.4)
@@ -316,8 +317,7 @@ def sample(cfg: Config, adapter, size: tuple[int, int], prompts=()) -> dict:
     w, h, frames = sample_size(cfg, size, prompts, adapter.clips is not None)
     tokens, width, _ = adapter.activation_geometry(config, (w, h), mc.max_sequence_length, frames)
     act = 4 if dtype == "float32" else 2
-    peak, beside = (adapter.infer_factors or INFER_FACTORS.get(adapter.family)
-                    or INFER_FACTORS.get(config.get("_class_name"), INFER_DEFAULT))
+    peak, beside = adapter.infer_factors or INFER_FACTORS.get(config.get("_class_name"), INFER_DEFAULT)
     from tasks.training import w8a8
 
     upcast = f"{stored}+bnb" if stored == "nf4" and w8a8.resolve(mc) == "bnb" else stored

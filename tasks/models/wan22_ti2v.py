@@ -25,6 +25,7 @@ WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True,
 class Wan22TI2VAdapter(WanAdapter):
     """Wan 2.2 TI2V-5B: the first latent frame replaced by the clean condition, its tokens at timestep 0."""
     family = "wan22_ti2v"
+    infer_factors = (37.4, 13.4)  # the sample node's forward: its AdaLN tensors are per token (bench.memory --nodes)
     kohya = KohyaLayout("networks.lora_wan", "wan2.2_ti2v", rules=KOHYA_RULES, lycoris_names="comfyui")
     controls = Controls(most=1, required=True, first_frame=True)
     pipeline_cls = LazyClass("diffusers", "WanImageToVideoPipeline")  # loads the repository's WanPipeline folder
